@@ -1,0 +1,37 @@
+# Everything a fresh machine needs: `make demo`, `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: env demo test soak bench lint typecheck clean
+
+env: $(STAMP)
+
+# The pinned CPU build of torch goes in first, so that the library's own range (torch>=2.3)
+# is already satisfied and pip never reaches for a multi-gigabyte CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/train_gpt.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+soak: $(STAMP)
+	LAZYCKPT_SOAK_KILLS=200 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check lazyckpt tiers tests examples bench
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,90 @@
+"""lazyckpt: lazy asynchronous checkpointing for PyTorch with pluggable storage tiers.
+
+``await ckpt.snapshot(state, step=N)`` records references and returns; the bytes are copied
+off the tensors in the background while the next forward and backward passes run, and then
+flow down a chain of tiers (host memory, local files, Zarr on a parallel file system or S3).
+See ``docs/index.md``.
+"""
+
+from ._arena import ArenaStats, Block, HostArena
+from ._checkpointer import (
+    Checkpointer,
+    SnapshotHandle,
+    SnapshotSkippedError,
+    SnapshotSkippedWarning,
+    SyncCheckpointer,
+)
+from ._engine import SnapshotStats
+from ._errors import (
+    CheckpointerClosedError,
+    ConfigurationError,
+    CorruptionError,
+    DeadlineExceededError,
+    ImmutabilityViolationError,
+    InvalidTransitionError,
+    LazyCkptError,
+    SnapshotFailedError,
+    SnapshotNotFoundError,
+    TierBrokenError,
+    TierClosedError,
+    TierError,
+    TierFullError,
+    UnsupportedStateError,
+)
+from ._manifest import FORMAT_VERSION, LayoutOptions, Manifest, Segment, ShardMeta, TensorMeta
+from ._state import ShardState, TierLevel
+from ._tier import (
+    ENTRY_POINT_GROUP,
+    Retention,
+    SupportsStaging,
+    Tier,
+    available_tiers,
+    load_tier,
+    translate_os_error,
+)
+from ._tree import Stateful
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "FORMAT_VERSION",
+    "ArenaStats",
+    "Block",
+    "Checkpointer",
+    "CheckpointerClosedError",
+    "ConfigurationError",
+    "CorruptionError",
+    "DeadlineExceededError",
+    "HostArena",
+    "ImmutabilityViolationError",
+    "InvalidTransitionError",
+    "LayoutOptions",
+    "LazyCkptError",
+    "Manifest",
+    "Retention",
+    "Segment",
+    "ShardMeta",
+    "ShardState",
+    "SnapshotFailedError",
+    "SnapshotHandle",
+    "SnapshotNotFoundError",
+    "SnapshotSkippedError",
+    "SnapshotSkippedWarning",
+    "SnapshotStats",
+    "Stateful",
+    "SupportsStaging",
+    "SyncCheckpointer",
+    "TensorMeta",
+    "Tier",
+    "TierBrokenError",
+    "TierClosedError",
+    "TierError",
+    "TierFullError",
+    "TierLevel",
+    "UnsupportedStateError",
+    "__version__",
+    "available_tiers",
+    "load_tier",
+    "translate_os_error",
+]

@@ -1,0 +1,511 @@
+"""The public API: :class:`Checkpointer` (async), :class:`SyncCheckpointer`, :class:`SnapshotHandle`."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+import warnings
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from ._engine import Engine, EngineOptions, Flight, SnapshotStats
+from ._errors import (
+    CheckpointerClosedError,
+    ConfigurationError,
+    LazyCkptError,
+    SnapshotFailedError,
+)
+from ._manifest import LayoutOptions, plan_layout
+from ._restore import read_manifest, restore_state
+from ._tier import Tier
+from ._tree import walk_state
+
+__all__ = [
+    "Checkpointer",
+    "SnapshotHandle",
+    "SnapshotSkippedError",
+    "SnapshotSkippedWarning",
+    "SyncCheckpointer",
+]
+
+T = TypeVar("T")
+
+
+class SnapshotSkippedWarning(UserWarning):
+    """A snapshot was dropped because the pipeline was busy (``when_busy="skip"``)."""
+
+
+class SnapshotSkippedError(LazyCkptError):
+    """Raised by the awaitables of a skipped snapshot's handle: it was never taken."""
+
+
+class SnapshotHandle:
+    """One snapshot's progress, as awaitables per stage.
+
+    ``await captured()``: every shard is in host memory; the tensors may change now.
+    ``await reached(tier)``: durable (committed) on that tier. ``await committed()``:
+    committed on the last tier. Each raises :class:`SnapshotFailedError` if the snapshot
+    failed at or before that stage. Cancelling one of them only stops the waiting; the
+    snapshot goes on. The blocking :meth:`wait` serves synchronous code.
+    """
+
+    def __init__(self, engine: Engine, flight: Flight | None, step: int) -> None:
+        self._engine = engine
+        self._flight = flight
+        self.step = step
+
+    def __repr__(self) -> str:
+        return f"<SnapshotHandle step={self.step} {self.state()}>"
+
+    @property
+    def skipped(self) -> bool:
+        """True when the snapshot was dropped by ``when_busy="skip"``."""
+        return self._flight is None
+
+    @property
+    def stats(self) -> SnapshotStats | None:
+        """Timings so far (seconds): in ``snapshot()``, in the guard, to capture, per tier."""
+        return None if self._flight is None else self._flight.stats
+
+    def state(self) -> str:
+        """A word for where the snapshot is: skipped, capturing, captured, committed, failed."""
+        f = self._flight
+        if f is None:
+            return "skipped"
+        last = f.reached[self._engine.stage_names[-1]]
+        if last.done():
+            return "failed" if last.exception() else "committed"
+        if f.captured.done():
+            return "failed" if f.captured.exception() else "captured"
+        return "capturing"
+
+    def _future(self, stage: str) -> concurrent.futures.Future[None]:
+        if self._flight is None:
+            raise SnapshotSkippedError(f"the snapshot of step {self.step} was skipped (busy)")
+        if stage == "captured":
+            return self._flight.captured
+        if stage == "committed":
+            return self._flight.reached[self._engine.stage_names[-1]]
+        names = [n for n in self._engine.stage_names if not n.startswith("<")]
+        if stage not in names:
+            raise ConfigurationError(f"no tier named {stage!r}; tiers: {names}")
+        return self._flight.reached[stage]
+
+    async def _await(self, stage: str) -> None:
+        fut = self._future(stage)
+        try:
+            await asyncio.wrap_future(fut)
+        except LazyCkptError:
+            assert self._flight is not None
+            self._engine.mark_reported(self._flight)
+            raise
+
+    async def captured(self) -> None:
+        """Wait until every shard is in host memory."""
+        await self._await("captured")
+
+    async def reached(self, tier: str) -> None:
+        """Wait until the snapshot is committed on ``tier`` (a tier's name)."""
+        await self._await(tier)
+
+    async def committed(self) -> None:
+        """Wait until the snapshot is committed on the last tier of the chain."""
+        await self._await("committed")
+
+    def wait(self, stage: str = "committed", timeout: float | None = None) -> None:
+        """Block until ``stage`` ("captured", "committed" or a tier name) is reached."""
+        fut = self._future(stage)
+        try:
+            fut.result(timeout)
+        except LazyCkptError:
+            assert self._flight is not None
+            self._engine.mark_reported(self._flight)
+            raise
+
+    def done(self) -> bool:
+        """True once the snapshot is committed everywhere, or failed."""
+        return self.state() in ("skipped", "committed", "failed")
+
+
+class _Core:
+    """What both facades share: the engine and the synchronous half of every operation."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        shard_size: int,
+        pack_bytes: int,
+        allow_pickle: bool,
+        capture_threads: int,
+        io_concurrency: int,
+        deadline: float | None,
+        when_busy: Literal["wait", "skip"],
+        staging_bytes: int,
+        use_uvloop: bool | None,
+    ) -> None:
+        if isinstance(tiers, Tier) or not isinstance(tiers, Sequence):
+            raise ConfigurationError("tiers must be a list of Tier objects, fastest first")
+        options = EngineOptions(
+            layout=LayoutOptions(shard_size=shard_size, pack_bytes=pack_bytes),
+            allow_pickle=allow_pickle,
+            capture_threads=capture_threads,
+            io_concurrency=io_concurrency,
+            deadline=deadline,
+            when_busy=when_busy,
+            staging_bytes=staging_bytes,
+            use_uvloop=use_uvloop,
+        )
+        self.engine = Engine(tiers, options)
+        self.options = options
+        self._last_step: int | None = None
+        self._closing = False
+        self._open_lock = threading.Lock()
+        self._guards: list[Any] = []
+
+    def check_open(self) -> None:
+        if self._closing or self.engine.closed:
+            raise CheckpointerClosedError("the Checkpointer is closed")
+        if not self.engine.opened:
+            raise ConfigurationError(
+                "the Checkpointer is not open: use 'async with Checkpointer(...)' "
+                "(or 'with SyncCheckpointer(...)'), or call open() first"
+            )
+
+    async def open_on_engine(self) -> None:
+        await self.engine.open()
+        listing = await asyncio.gather(*(t.steps() for t in self.engine.tiers))
+        committed = [s for steps in listing for s in steps]
+        self._last_step = max(committed) if committed else None
+
+    def snapshot(self, state: Any, step: int) -> SnapshotHandle:
+        t0 = time.perf_counter()
+        self.check_open()
+        if type(step) is not int or step < 0:
+            raise ConfigurationError(f"step must be a non-negative int, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ConfigurationError(
+                f"step {step} is not newer than the newest snapshot ({self._last_step}); "
+                "steps must increase. After a rollback, start a new directory or delete "
+                "the newer snapshots first."
+            )
+        self.engine.raise_unreported()
+        if self.options.when_busy == "skip" and self.engine.pending_captures():
+            self.engine.skipped += 1
+            warnings.warn(
+                f"snapshot of step {step} skipped: the previous capture is still running "
+                f"({self.engine.skipped} skipped so far)",
+                SnapshotSkippedWarning,
+                stacklevel=3,
+            )
+            return SnapshotHandle(self.engine, None, step)
+        tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
+        manifest = plan_layout(
+            step,
+            tree,
+            refs,
+            self.options.layout,
+            pickled="$pickle" in _tags(tree),
+        )
+        flight = Flight(manifest, refs, self.engine.stage_names)
+        self._last_step = step
+        flight.stats.snapshot_s = time.perf_counter() - t0
+        self.engine.submit(flight)
+        return SnapshotHandle(self.engine, flight, step)
+
+    def wait_captured_blocking(self) -> float:
+        """Block until every pending capture is done; return the seconds waited."""
+        t0 = time.perf_counter()
+        pending = self.engine.pending_captures()
+        if pending:
+            concurrent.futures.wait([f.captured for f in pending])
+        waited = time.perf_counter() - t0
+        for f in pending:
+            f.stats.guard_s += waited
+        self.engine.raise_unreported()
+        return waited
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        self.check_open()
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            raise ConfigurationError(
+                f"guard() takes a torch optimizer, got {type(optimizer).__qualname__}"
+            )
+
+        def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            if not self._closing:
+                self.wait_captured_blocking()
+
+        handle = optimizer.register_step_pre_hook(hook)
+        self._guards.append(handle)
+        return handle
+
+    async def restore_on_engine(
+        self, step: int | None, into: Any, map_location: torch.device | str | None
+    ) -> Any:
+        if step is not None and (type(step) is not int or step < 0):
+            raise ConfigurationError(f"step must be a non-negative int or None, got {step!r}")
+        manifest, sources, _problems = await read_manifest(self.engine.tiers, step)
+        protected = self.engine.protected
+        protected[manifest.step] = protected.get(manifest.step, 0) + 1
+        try:
+            return await restore_state(
+                manifest,
+                sources,
+                into=into,
+                map_location=map_location,
+                allow_pickle=self.options.allow_pickle,
+            )
+        finally:
+            protected[manifest.step] -= 1
+            if not protected[manifest.step]:
+                del protected[manifest.step]
+
+    async def steps_on_engine(self) -> list[int]:
+        listing = await asyncio.gather(*(t.steps() for t in self.engine.tiers))
+        return sorted({s for steps in listing for s in steps})
+
+    async def close_on_engine(self) -> None:
+        await self.engine.close()
+
+    def finish_close(self) -> None:
+        for handle in self._guards:
+            handle.remove()
+        self._guards.clear()
+        self.engine.loop.stop()
+        errors = self.engine.take_unreported()
+        if errors:
+            if len(errors) == 1:
+                raise errors[0]
+            raise SnapshotFailedError(
+                f"{len(errors)} snapshots failed", errors, step=-1, tiers=self.engine.stage_names
+            )
+
+
+def _tags(tree: Any) -> set[str]:
+    found: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            found.update(node)
+            stack.extend(node.values())
+    return found
+
+
+_DEFAULTS: dict[str, Any] = {
+    "shard_size": 16 << 20,
+    "pack_bytes": 1 << 20,
+    "allow_pickle": False,
+    "capture_threads": 1,
+    "io_concurrency": 4,
+    "deadline": None,
+    "when_busy": "wait",
+    "staging_bytes": 256 << 20,
+    "use_uvloop": None,
+}
+
+
+class Checkpointer:
+    """Lazy asynchronous checkpointing through a chain of storage tiers.
+
+    ``snapshot()`` records references and returns; the bytes are copied to host memory in
+    the background while training continues, then flow down the tiers. Use as
+    ``async with Checkpointer(tiers=[...]) as ckpt:``; leaving the block drains every
+    snapshot (each reaches its last tier or fails loudly) and closes the tiers.
+
+    Args:
+        tiers: the chain, fastest first: usually ``HostMemoryTier`` then ``FileTier`` and/or
+            ``ZarrTier``. Without a host tier first, captures stage through a private arena
+            of ``staging_bytes``.
+        shard_size: the unit of copying and writing, in bytes (multiple of 4096).
+        pack_bytes: tensors up to this size are packed together into shared shards.
+        allow_pickle: store (and restore) values that are not plain data with pickle. Off by
+            default: restoring then never runs code from a checkpoint.
+        capture_threads: threads copying CPU tensors into host memory.
+        io_concurrency: shards in flight per durable tier.
+        deadline: seconds any single tier operation may take before it fails with
+            :class:`DeadlineExceededError` (``None``: no deadline).
+        when_busy: ``"wait"`` applies backpressure (the guard waits); ``"skip"`` drops a
+            snapshot requested while the previous capture still runs, with a
+            :class:`SnapshotSkippedWarning`.
+        staging_bytes: size of the private arena when the chain has no host tier.
+        use_uvloop: run the engine loop on uvloop (``None``: if installed).
+    """
+
+    def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
+        unknown = set(options) - set(_DEFAULTS)
+        if unknown:
+            raise ConfigurationError(f"unknown Checkpointer options: {sorted(unknown)}")
+        self._core = _Core(tiers, **{**_DEFAULTS, **options})
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self._core.engine.tiers)
+
+    async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(self._core.engine.loop.submit(coro))
+
+    async def open(self) -> Checkpointer:
+        """Allocate the host arena, open every tier, clean up what a crash left behind."""
+        with self._core._open_lock:
+            if self._core.engine.opened:
+                return self
+        await self._call(self._core.open_on_engine())
+        return self
+
+    async def __aenter__(self) -> Checkpointer:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def snapshot(self, state: Any, *, step: int) -> SnapshotHandle:
+        """Record a snapshot of ``state`` at ``step`` and return without copying tensor bytes.
+
+        ``state`` is a mapping of tensors, Stateful objects (``model``, ``optimizer``) and
+        plain values. Costs O(number of tensors). Raises the failure of an earlier snapshot
+        that nobody has seen yet. Cancelling it before it returns takes no snapshot.
+        """
+        return self._core.snapshot(state, step)
+
+    async def wait_captured(self) -> None:
+        """Wait until every pending capture is done (then the tensors may change)."""
+        self._core.check_open()
+        await asyncio.to_thread(self._core.wait_captured_blocking)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for pending captures first (a step pre-hook).
+
+        Returns the hook's handle (``.remove()`` undoes it). The wait blocks the calling
+        thread only while a capture is still running.
+        """
+        return self._core.guard(optimizer)
+
+    async def restore(
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        map_location: torch.device | str | None = None,
+    ) -> Any:
+        """Restore a committed snapshot, bit for bit.
+
+        Args:
+            step: the step; ``None`` for the latest committed on any tier.
+            into: a mapping of live tensors / Stateful objects to load into in place
+                (tensors keep their device and identity); it is returned.
+            map_location: device for new tensors (default CPU).
+
+        Reads from the fastest tier holding the step, falling back tier by tier and shard
+        by shard on corruption or loss. Cancelling it may leave ``into`` partly loaded.
+        """
+        self._core.check_open()
+        await self.wait_captured()
+        return await self._call(self._core.restore_on_engine(step, into, map_location))
+
+    async def steps(self) -> list[int]:
+        """Steps committed on at least one tier, ascending."""
+        self._core.check_open()
+        return await self._call(self._core.steps_on_engine())
+
+    def metrics(self) -> dict[str, Any]:
+        """Bytes and throughput per tier, shards in flight, arena use, recent timings."""
+        return self._core.engine.metrics()
+
+    async def aclose(self) -> None:
+        """Drain every snapshot, close the tiers, stop the engine. Raises any failure that
+        was not yet reported. Idempotent. If cancelled, the drain goes on in the engine."""
+        if self._core._closing:
+            return
+        self._core._closing = True
+        try:
+            await self._call(self._core.close_on_engine())
+        finally:
+            self._core.finish_close()
+
+
+class SyncCheckpointer:
+    """:class:`Checkpointer` for plain synchronous training loops (no event loop needed).
+
+    Same arguments and operations: ``with SyncCheckpointer(tiers=[...]) as ckpt:``,
+    ``ckpt.snapshot(state, step=N)``, ``ckpt.wait_captured()``, ``ckpt.guard(opt)``,
+    ``ckpt.restore(...)``, ``ckpt.steps()``, ``ckpt.close()``.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
+        unknown = set(options) - set(_DEFAULTS)
+        if unknown:
+            raise ConfigurationError(f"unknown Checkpointer options: {sorted(unknown)}")
+        self._core = _Core(tiers, **{**_DEFAULTS, **options})
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return list(self._core.engine.tiers)
+
+    def _call(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        if self._core.engine.loop.in_loop_thread():
+            raise ConfigurationError("SyncCheckpointer methods cannot run on the engine thread")
+        return self._core.engine.loop.submit(fn()).result()
+
+    def open(self) -> SyncCheckpointer:
+        """See :meth:`Checkpointer.open`."""
+        if not self._core.engine.opened:
+            self._call(self._core.open_on_engine)
+        return self
+
+    def __enter__(self) -> SyncCheckpointer:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def snapshot(self, state: Any, *, step: int) -> SnapshotHandle:
+        """See :meth:`Checkpointer.snapshot`; use ``handle.wait(stage)`` to block on it."""
+        return self._core.snapshot(state, step)
+
+    def wait_captured(self) -> None:
+        """See :meth:`Checkpointer.wait_captured`."""
+        self._core.check_open()
+        self._core.wait_captured_blocking()
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """See :meth:`Checkpointer.guard`."""
+        return self._core.guard(optimizer)
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        map_location: torch.device | str | None = None,
+    ) -> Any:
+        """See :meth:`Checkpointer.restore`."""
+        self._core.check_open()
+        self._core.wait_captured_blocking()
+        return self._call(lambda: self._core.restore_on_engine(step, into, map_location))
+
+    def steps(self) -> list[int]:
+        """See :meth:`Checkpointer.steps`."""
+        self._core.check_open()
+        return self._call(self._core.steps_on_engine)
+
+    def metrics(self) -> dict[str, Any]:
+        """See :meth:`Checkpointer.metrics`."""
+        return self._core.engine.metrics()
+
+    def close(self) -> None:
+        """See :meth:`Checkpointer.aclose`."""
+        if self._core._closing:
+            return
+        self._core._closing = True
+        try:
+            self._call(self._core.close_on_engine)
+        finally:
+            self._core.finish_close()

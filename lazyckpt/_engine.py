@@ -1,0 +1,578 @@
+"""The scheduler: moves every shard of every snapshot through the tiers, on the engine loop.
+
+One ``Engine`` belongs to one Checkpointer. Everything here runs on the engine's own loop
+thread (``_loop.EngineLoop``) except the few methods marked *any thread*, which only touch
+thread-safe futures and a lock.
+
+A snapshot in flight is a :class:`Flight`. Its coroutine allocates an arena block for each
+shard in order (waiting when the arena is full: backpressure), and starts one *shard flow*
+per shard: capture into the block, then put on each durable tier in chain order. Each shard
+state change goes through the state table (``_state``); the flow never decides a rule
+itself. When the last shard reaches a tier, that tier commits the snapshot's manifest.
+
+Every task belongs to the engine's task group; failures are recorded on the flight, raised
+from its handle, and queued to be raised by the next ``snapshot()``/guard/``aclose()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, TypeVar
+
+import crc32c
+
+from ._arena import Block, HostArena
+from ._capture import CaptureBackend, CaptureJob, CpuCapture
+from ._errors import (
+    CheckpointerClosedError,
+    ConfigurationError,
+    CorruptionError,
+    DeadlineExceededError,
+    LazyCkptError,
+    SnapshotFailedError,
+    TierBrokenError,
+    TierError,
+)
+from ._loop import EngineLoop
+from ._manifest import LayoutOptions, Manifest, ShardMeta
+from ._state import Event, ShardState, StateTable, advance, build_table
+from ._tier import SupportsStaging, Tier
+from ._tree import TensorRef
+
+__all__ = ["Engine", "EngineOptions", "Flight", "SnapshotStats"]
+
+log = logging.getLogger("lazyckpt")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Tunables of the engine (the Checkpointer's keyword arguments)."""
+
+    layout: LayoutOptions = field(default_factory=LayoutOptions)
+    allow_pickle: bool = False
+    capture_threads: int = 1
+    io_concurrency: int = 4
+    deadline: float | None = None
+    when_busy: Literal["wait", "skip"] = "wait"
+    staging_bytes: int = 256 << 20
+    use_uvloop: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.capture_threads < 1 or self.io_concurrency < 1:
+            raise ConfigurationError("capture_threads and io_concurrency must be at least 1")
+        if self.deadline is not None and not self.deadline > 0:
+            raise ConfigurationError(f"deadline must be positive seconds, got {self.deadline}")
+        if self.when_busy not in ("wait", "skip"):
+            raise ConfigurationError(f"when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
+
+
+@dataclass
+class SnapshotStats:
+    """Where the time of one snapshot went (seconds)."""
+
+    step: int
+    bytes: int
+    shards: int
+    snapshot_s: float = 0.0
+    guard_s: float = 0.0
+    capture_s: float | None = None
+    reached_s: dict[str, float] = field(default_factory=dict)
+
+
+class Flight:
+    """A snapshot on its way through the tiers."""
+
+    def __init__(
+        self, manifest: Manifest, refs: Sequence[TensorRef], tier_names: Sequence[str]
+    ) -> None:
+        self.manifest = manifest
+        self.refs = refs
+        n = len(manifest.shards)
+        self.states = [ShardState.CAPTURED] * n
+        self.crcs: list[int] = [0] * n
+        self.blocks: list[Block | None] = [None] * n
+        self.captured_count = 0
+        self.persisted = [0] * len(tier_names)
+        self.failed_from: int | None = None  # first stage index that failed (0 = capture)
+        self.errors: list[Exception] = []
+        self.t_submit = time.perf_counter()
+        self.stats = SnapshotStats(step=manifest.step, bytes=manifest.tensor_bytes, shards=n)
+        self.captured: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.reached: dict[str, concurrent.futures.Future[None]] = {
+            name: concurrent.futures.Future() for name in tier_names
+        }
+        self.done = asyncio.Event()
+        self.reported = False
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+class Engine:
+    """See the module docstring. Built by the Checkpointer; not public."""
+
+    def __init__(self, tiers: Sequence[Tier], options: EngineOptions) -> None:
+        tiers = list(tiers)
+        if not tiers:
+            raise ConfigurationError("a Checkpointer needs at least one tier")
+        for t in tiers:
+            if not isinstance(t, Tier):
+                raise ConfigurationError(f"{t!r} is not a lazyckpt Tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigurationError(f"tier names must be unique, got {names}; pass name=...")
+        self.options = options
+        self.tiers = tiers
+        self.host: Tier | None = tiers[0] if isinstance(tiers[0], SupportsStaging) else None
+        self.durable: list[Tier] = tiers[1:] if self.host is not None else tiers
+        for t in self.durable:
+            if isinstance(t, SupportsStaging):
+                raise ConfigurationError(
+                    f"{t!r} is a host-memory tier; it can only be the first tier of the chain"
+                )
+        self.table: StateTable = build_table([t.level for t in self.durable])
+        # stage 0 is the host stage (the host tier, or the engine's private staging arena)
+        self.stage_names: list[str] = [self.host.name if self.host else "<staging>"]
+        self.stage_names += [t.name for t in self.durable]
+        if self.host is not None:
+            assert isinstance(self.host, SupportsStaging)
+            self.arena: HostArena = self.host.arena
+        else:
+            self.arena = HostArena(options.staging_bytes)
+        if self.arena.capacity < options.layout.shard_size:
+            raise ConfigurationError(
+                f"the host arena ({self.arena.capacity} bytes) is smaller than one shard "
+                f"({options.layout.shard_size} bytes); raise capacity_bytes or lower shard_size"
+            )
+        self.loop = EngineLoop(use_uvloop=options.use_uvloop)
+        self.capture: CaptureBackend = _default_capture(options)
+        self.flights: dict[int, Flight] = {}
+        self.protected: dict[int, int] = {}  # step -> restores in progress
+        self._lock = threading.Lock()
+        self._unreported: list[LazyCkptError] = []
+        self._pending_captures: list[Flight] = []  # any thread, under _lock
+        self._tg: asyncio.TaskGroup | None = None
+        self._main_done: concurrent.futures.Future[None] | None = None
+        self._stop: asyncio.Event | None = None
+        self._tier_sems: list[asyncio.Semaphore] = []
+        self.closed = False
+        self.opened = False
+        self.skipped = 0
+        self.history: list[SnapshotStats] = []
+        self.tier_bytes: dict[str, int] = dict.fromkeys(self.stage_names, 0)
+        self.tier_seconds: dict[str, float] = dict.fromkeys(self.stage_names, 0.0)
+
+    # -- life cycle (any thread) -----------------------------------------------------------
+
+    def run(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
+        async def wrapper() -> T:
+            return await coro
+
+        return self.loop.submit(wrapper())
+
+    async def open(self) -> None:
+        """Allocate the arena, open the tiers, start the task group (engine loop)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.arena.allocate_memory)
+        await asyncio.gather(*(t.open() for t in self.tiers))
+        self._tier_sems = [asyncio.Semaphore(self.options.io_concurrency) for _ in self.durable]
+        started = asyncio.Event()
+        self._stop = asyncio.Event()
+
+        async def main() -> None:
+            assert self._stop is not None
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                started.set()
+                await self._stop.wait()
+
+        task = loop.create_task(main())
+        self._main_task = task
+        await started.wait()
+        self.opened = True
+
+    async def drain(self) -> None:
+        """Wait until every flight is done (engine loop)."""
+        while self.flights:
+            await next(iter(self.flights.values())).done.wait()
+
+    async def close(self) -> None:
+        """Drain, stop the task group, close the tiers (engine loop). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.opened:
+                await self.drain()
+        finally:
+            if self._stop is not None:
+                self._stop.set()
+                with contextlib.suppress(Exception):
+                    await self._main_task
+            results = await asyncio.gather(
+                *(t.aclose() for t in self.tiers), return_exceptions=True
+            )
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.capture.close)
+            if self.host is None:
+                self.arena.release_memory()
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+
+    # -- errors (any thread) ---------------------------------------------------------------
+
+    def take_unreported(self) -> list[LazyCkptError]:
+        with self._lock:
+            errors, self._unreported = self._unreported, []
+        return errors
+
+    def raise_unreported(self) -> None:
+        errors = self.take_unreported()
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise SnapshotFailedError(
+                f"{len(errors)} snapshots failed", errors, step=-1, tiers=self.stage_names
+            )
+
+    def mark_reported(self, flight: Flight) -> None:
+        with self._lock:
+            flight.reported = True
+            self._unreported = [e for e in self._unreported if getattr(e, "step", None) != flight.step]
+
+    # -- submitting (any thread) -----------------------------------------------------------
+
+    def pending_captures(self) -> list[Flight]:
+        with self._lock:
+            self._pending_captures = [f for f in self._pending_captures if not f.captured.done()]
+            return list(self._pending_captures)
+
+    def submit(self, flight: Flight) -> None:
+        """Hand a planned snapshot to the engine loop; returns at once."""
+        with self._lock:
+            self._pending_captures.append(flight)
+        self.loop.call_soon(self._start_flight, flight)
+
+    def _start_flight(self, flight: Flight) -> None:
+        if self._tg is None or self.closed:
+            self._finish_failed(flight, CheckpointerClosedError("the Checkpointer was closed"), 0)
+            return
+        self.flights[flight.step] = flight
+        self._tg.create_task(self._run_flight(flight), name=f"lazyckpt-step-{flight.step}")
+
+    # -- the flight ------------------------------------------------------------------------
+
+    async def _guarded(self, stage: int, what: str, aw: Awaitable[T]) -> T:
+        """Await a tier operation under the deadline, translating unexpected errors."""
+        name = self.stage_names[stage]
+        try:
+            if self.options.deadline is None:
+                return await aw
+            async with asyncio.timeout(self.options.deadline):
+                return await aw
+        except TimeoutError as exc:
+            raise DeadlineExceededError(
+                f"tier {name!r}: {what} took longer than the {self.options.deadline}s deadline"
+            ) from exc
+        except LazyCkptError:
+            raise
+        except OSError as exc:
+            raise TierBrokenError(f"{what}: {exc}", tier=name) from exc
+        except Exception as exc:
+            raise TierBrokenError(f"{what}: unexpected {exc!r}", tier=name) from exc
+
+    def _fail(self, flight: Flight, stage: int, exc: Exception) -> None:
+        if flight.failed_from is None or stage < flight.failed_from:
+            flight.failed_from = stage
+        if not isinstance(exc, asyncio.CancelledError):
+            flight.errors.append(exc)
+        log.warning(
+            "snapshot of step %d failed on %s: %s",
+            flight.step,
+            self.stage_names[stage],
+            exc,
+            extra={"step": flight.step, "tier": self.stage_names[stage]},
+        )
+
+    def _failed_at(self, flight: Flight, stage: int) -> bool:
+        return flight.failed_from is not None and stage >= flight.failed_from
+
+    async def _run_flight(self, flight: Flight) -> None:
+        m = flight.manifest
+        try:
+            begun = await asyncio.gather(
+                *(self._guarded(k, "begin", t.begin(m)) for k, t in enumerate(self.durable, 1)),
+                return_exceptions=True,
+            )
+            for k, result in enumerate(begun, 1):
+                if isinstance(result, Exception):
+                    self._fail(flight, k, result)
+            async with asyncio.TaskGroup() as tg:
+                for i, shard in enumerate(m.shards):
+                    if self._failed_at(flight, 0):
+                        break
+                    block = await self.arena.allocate(shard.length)
+                    flight.blocks[i] = block
+                    tg.create_task(self._shard_flow(flight, i, shard, block))
+                if not m.shards:
+                    tg.create_task(self._commit_empty(flight))
+        except Exception as exc:  # a bug in the engine: fail the snapshot loudly
+            self._fail(flight, 0, exc)
+        finally:
+            await self._finish(flight)
+
+    async def _commit_empty(self, flight: Flight) -> None:
+        await self._on_all_captured(flight)
+        for k in range(1, len(self.stage_names)):
+            await self._commit(flight, k)
+
+    async def _shard_flow(self, flight: Flight, i: int, shard: ShardMeta, block: Block) -> None:
+        m = flight.manifest
+        try:
+            crc = await self.capture.capture(CaptureJob(m, shard, flight.refs, block))
+        except Exception as exc:
+            self._fail(flight, 0, exc)
+            self.arena.release(block)
+            flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
+            return
+        flight.crcs[i] = crc
+        flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+        shard = replace(shard, crc32c=crc)
+        self._count(0, shard.length)
+        if self.host is not None:
+            assert isinstance(self.host, SupportsStaging)
+            self.host.adopt(m, shard, block)
+        flight.captured_count += 1
+        if flight.captured_count == len(m.shards):
+            await self._on_all_captured(flight)
+        adopted = block if self.host is not None else None
+        holding = True
+        try:
+            for k, tier in enumerate(self.durable, 1):
+                if self._failed_at(flight, k):
+                    break
+                if not holding:
+                    holding = self.arena.claim(block)
+                    if not holding:  # evicted: read it back from the previous durable tier
+                        block = await self._refetch(flight, shard, k - 1)
+                        holding = True
+                try:
+                    async with self._tier_sems[k - 1]:
+                        t0 = time.perf_counter()
+                        await self._guarded(
+                            k, f"put shard {i}", tier.put_shard(m, shard, block.memoryview())
+                        )
+                        self._count(k, shard.length, time.perf_counter() - t0)
+                except Exception as exc:
+                    self._fail(flight, k, exc)
+                    break
+                flight.states[i] = advance(self.table, flight.states[i], Event.PERSISTED)
+                if k == 1:
+                    # durable now: the arena may reclaim it (the host tier keeps it meanwhile)
+                    self.arena.mark_evictable(block, self._host_evicted if adopted else None)
+                self._release(block, adopted)
+                holding = False
+                flight.persisted[k] += 1
+                if flight.persisted[k] == len(m.shards):
+                    await self._commit(flight, k)
+        finally:
+            if holding:
+                self._release(block, adopted)
+            if adopted is None:  # nobody keeps staging blocks once the shard is through
+                self.arena.discard(block)
+
+    def _release(self, block: Block, adopted: Block | None) -> None:
+        """Drop the flow's hold; a block the host tier adopted stays for it, evictable."""
+        if block is adopted and not block.evictable:
+            self.arena.mark_evictable(block, self._host_evicted)
+        self.arena.release(block)
+
+    async def _refetch(self, flight: Flight, shard: ShardMeta, stage: int) -> Block:
+        tier = self.durable[stage - 1]
+        block = await self.arena.allocate(shard.length)
+        try:
+            await self._guarded(
+                stage,
+                f"read shard {shard.index}",
+                tier.read_shard(flight.manifest, shard, block.memoryview()),
+            )
+            loop = asyncio.get_running_loop()
+            crc = await loop.run_in_executor(None, crc32c.crc32c, block.memoryview())
+            if crc != shard.crc32c:
+                raise CorruptionError(
+                    f"shard {shard.index} of step {flight.step} read back from tier "
+                    f"{tier.name!r} does not match its checksum"
+                )
+        except BaseException:
+            self.arena.release(block)
+            raise
+        return block
+
+    def _host_evicted(self, block: Block) -> None:
+        host = self.host
+        if host is not None and hasattr(host, "evicted"):
+            host.evicted(block)
+
+    async def _on_all_captured(self, flight: Flight) -> None:
+        if self._failed_at(flight, 0):
+            return
+        flight.stats.capture_s = time.perf_counter() - flight.t_submit
+        if not flight.captured.done():
+            flight.captured.set_result(None)
+        if self.host is not None:
+            await self._commit(flight, 0)
+        else:
+            self._resolve(flight, 0)
+
+    async def _commit(self, flight: Flight, stage: int) -> None:
+        if self._failed_at(flight, stage):
+            return
+        tier = self.host if stage == 0 else self.durable[stage - 1]
+        assert tier is not None
+        manifest = flight.manifest.with_checksums(flight.crcs)
+        manifest = replace(manifest, extra={**manifest.extra, "tier": tier.describe()})
+        try:
+            await self._guarded(stage, "commit", tier.commit(manifest))
+        except Exception as exc:
+            if stage == 0:  # the host copy is a convenience; its loss fails nothing else
+                log.info("host tier did not keep step %d: %s", flight.step, exc)
+                self._resolve(flight, 0)
+                return
+            self._fail(flight, stage, exc)
+            return
+        self._resolve(flight, stage)
+        if stage > 0 and (tier.retention.keep_last or tier.retention.keep_every):
+            assert self._tg is not None
+            self._tg.create_task(self._apply_retention(tier, stage))
+
+    def _resolve(self, flight: Flight, stage: int) -> None:
+        name = self.stage_names[stage]
+        flight.stats.reached_s[name] = time.perf_counter() - flight.t_submit
+        fut = flight.reached[name]
+        if not fut.done():
+            fut.set_result(None)
+        log.debug("step %d reached %s", flight.step, name, extra={"step": flight.step, "tier": name})
+
+    async def _apply_retention(self, tier: Tier, stage: int) -> None:
+        try:
+            committed = await self._guarded(stage, "list", tier.steps())
+            for step in tier.retention.to_delete(committed):
+                if step in self.protected or step in self.flights:
+                    continue
+                await self._guarded(stage, f"delete step {step}", tier.delete(step))
+        except Exception as exc:
+            log.warning("retention on %s failed: %s", tier.name, exc, extra={"tier": tier.name})
+            err = exc if isinstance(exc, LazyCkptError) else TierBrokenError(str(exc), tier=tier.name)
+            with self._lock:
+                self._unreported.append(err)
+
+    def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None:
+        name = self.stage_names[stage]
+        self.tier_bytes[name] += nbytes
+        self.tier_seconds[name] += seconds
+
+    async def _finish(self, flight: Flight) -> None:
+        try:
+            if flight.failed_from is not None:
+                stages = range(max(1, flight.failed_from), len(self.stage_names))
+                for k in stages:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(
+                            self._guarded(k, "abort", self.durable[k - 1].abort(flight.step))
+                        )
+                if flight.failed_from == 0 and self.host is not None and hasattr(
+                    self.host, "forget"
+                ):
+                    self.host.forget(flight.step)
+                failed = [self.stage_names[k] for k in range(flight.failed_from, len(self.stage_names))]
+                error = SnapshotFailedError(
+                    f"snapshot of step {flight.step} failed on {failed}: "
+                    + "; ".join(str(e) for e in flight.errors[:3]),
+                    flight.errors or [TierBrokenError("failed", tier=failed[0])],
+                    step=flight.step,
+                    tiers=failed,
+                )
+                self._finish_failed(flight, error, flight.failed_from)
+        finally:
+            self.flights.pop(flight.step, None)
+            self.history.append(flight.stats)
+            del self.history[:-1000]
+            flight.done.set()
+
+    def _finish_failed(self, flight: Flight, error: LazyCkptError, stage: int) -> None:
+        if stage == 0 and not flight.captured.done():
+            flight.captured.set_exception(error)
+        elif not flight.captured.done():
+            flight.captured.set_result(None)
+        for k, name in enumerate(self.stage_names):
+            fut = flight.reached[name]
+            if k >= stage and not fut.done():
+                fut.set_exception(error)
+        with self._lock:
+            if not flight.reported:
+                self._unreported.append(error)
+        flight.done.set()
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        states: dict[str, int] = {}
+        for flight in list(self.flights.values()):
+            for s in flight.states:
+                states[s.name] = states.get(s.name, 0) + 1
+        arena = self.arena.stats()
+        return {
+            "tiers": {
+                name: {
+                    "bytes": self.tier_bytes[name],
+                    "busy_s": self.tier_seconds[name],
+                    "throughput_bytes_per_s": (
+                        self.tier_bytes[name] / self.tier_seconds[name]
+                        if self.tier_seconds[name]
+                        else None
+                    ),
+                }
+                for name in self.stage_names
+            },
+            "shards_in_flight": states,
+            "snapshots_in_flight": len(self.flights),
+            "snapshots_skipped": self.skipped,
+            "arena": {
+                "capacity": arena.capacity,
+                "held": arena.held,
+                "evictable": arena.evictable,
+                "peak": arena.peak_held,
+                "waits": arena.waits,
+                "evictions": arena.evictions,
+            },
+            "snapshots": [vars(s).copy() for s in self.history[-100:]],
+        }
+
+
+def _default_capture(options: EngineOptions) -> CaptureBackend:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from ._cuda import CudaCapture
+
+            return CudaCapture(cpu_threads=options.capture_threads)
+    except ImportError:  # pragma: no cover - the CUDA module is part of the package
+        pass
+    return CpuCapture(options.capture_threads)
+
+
+def tier_error(exc: BaseException, tier: str) -> TierError:
+    if isinstance(exc, TierError):
+        return exc
+    return TierBrokenError(str(exc), tier=tier)

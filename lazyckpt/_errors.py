@@ -1,0 +1,139 @@
+"""The one error tree of lazyckpt.
+
+Every error lazyckpt raises on purpose derives from :class:`LazyCkptError`, so a trainer can
+catch everything the library means with one ``except``. A backend's own exception (an
+``OSError``, an S3 client error) is translated once, at the tier boundary, and kept as
+``__cause__``.
+
+    LazyCkptError
+    ├── ConfigurationError        you asked for something that cannot work (bad arguments)
+    │   └── UnsupportedStateError a state that cannot be checkpointed (sparse tensor, pickle refused)
+    ├── InvalidTransitionError    a shard was moved against the state table (a bug, never your fault)
+    ├── ImmutabilityViolationError a tensor changed in place before its capture finished
+    ├── CorruptionError           stored bytes or a manifest fail their checksum or do not parse
+    ├── SnapshotNotFoundError     no committed snapshot matches the request
+    ├── SnapshotFailedError       a snapshot failed; also an ExceptionGroup of the shard failures
+    ├── CheckpointerClosedError   the Checkpointer was closed
+    ├── DeadlineExceededError     a tier or a peer did not answer in time
+    └── TierError                 a tier failed (with the tier's name)
+        ├── TierClosedError       you closed the tier
+        ├── TierBrokenError       the backend failed; ``__cause__`` says how
+        └── TierFullError         the backend is out of space
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "CheckpointerClosedError",
+    "ConfigurationError",
+    "CorruptionError",
+    "DeadlineExceededError",
+    "ImmutabilityViolationError",
+    "InvalidTransitionError",
+    "LazyCkptError",
+    "SnapshotFailedError",
+    "SnapshotNotFoundError",
+    "TierBrokenError",
+    "TierClosedError",
+    "TierError",
+    "TierFullError",
+    "UnsupportedStateError",
+]
+
+
+class LazyCkptError(Exception):
+    """Root of every error lazyckpt raises on purpose."""
+
+
+class ConfigurationError(LazyCkptError, ValueError):
+    """An argument or a combination of arguments that cannot work."""
+
+
+class UnsupportedStateError(ConfigurationError, TypeError):
+    """Part of the state cannot be checkpointed as given; the message names its key."""
+
+
+class InvalidTransitionError(LazyCkptError):
+    """A shard was asked to move along an edge that its state table does not have."""
+
+
+class ImmutabilityViolationError(LazyCkptError):
+    """A tensor was modified in place before its capture completed.
+
+    The snapshot that held it is never committed. Call ``await ckpt.wait_captured()`` (or use
+    ``ckpt.guard(optimizer)``) before mutating snapshotted tensors.
+    """
+
+    def __init__(self, key: str, step: int, recorded: int, found: int) -> None:
+        self.key = key
+        self.step = step
+        super().__init__(
+            f"tensor {key!r} of step {step} was modified in place before its capture finished "
+            f"(version {recorded} at snapshot(), {found} at capture); the snapshot is not "
+            "committed. Await ckpt.wait_captured() or use ckpt.guard(optimizer) before the "
+            "optimizer step."
+        )
+
+
+class CorruptionError(LazyCkptError):
+    """Stored data failed its checksum, was truncated or missing, or a manifest is damaged."""
+
+
+class SnapshotNotFoundError(LazyCkptError, LookupError):
+    """No committed snapshot matches what was asked for."""
+
+
+class CheckpointerClosedError(LazyCkptError):
+    """The Checkpointer was closed; open a new one."""
+
+
+class DeadlineExceededError(LazyCkptError, TimeoutError):
+    """A tier or a peer did not finish within its configured deadline."""
+
+
+class TierError(LazyCkptError):
+    """A storage tier failed. ``tier`` names it."""
+
+    def __init__(self, message: str, *, tier: str) -> None:
+        self.tier = tier
+        super().__init__(f"tier {tier!r}: {message}")
+
+
+class TierClosedError(TierError):
+    """The tier was closed by its owner."""
+
+
+class TierBrokenError(TierError):
+    """The tier's backend failed; the original exception is ``__cause__``."""
+
+
+class TierFullError(TierError):
+    """The tier's backend is out of space (ENOSPC, quota, arena too small)."""
+
+
+class SnapshotFailedError(ExceptionGroup[Exception], LazyCkptError):  # type: ignore[misc]
+    """A snapshot failed. The group holds each shard's or tier's failure.
+
+    ``step`` is the step; ``tiers`` the names of the tiers on which it is not committed.
+    """
+
+    step: int
+    tiers: tuple[str, ...]
+
+    def __new__(
+        cls, message: str, errors: Sequence[Exception], *, step: int, tiers: Sequence[str] = ()
+    ) -> SnapshotFailedError:
+        self = super().__new__(cls, message, list(errors))
+        self.step = step
+        self.tiers = tuple(tiers)
+        return self
+
+    def __init__(
+        self, message: str, errors: Sequence[Exception], *, step: int, tiers: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message, list(errors))
+
+    def derive(self, excs: Sequence[Exception]) -> SnapshotFailedError:
+        return SnapshotFailedError(self.message, excs, step=self.step, tiers=self.tiers)

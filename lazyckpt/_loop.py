@@ -1,0 +1,72 @@
+"""The engine's own event loop, on a thread of its own.
+
+The pipeline must progress while the training thread computes and never awaits: a trainer
+whose forward/backward blocks its own event loop for a second must still find its capture
+done at the guard. So all orchestration runs on this loop (uvloop when installed and not
+disabled), and the public coroutines bridge to it with ``run_coroutine_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["EngineLoop"]
+
+T = TypeVar("T")
+
+
+def _new_loop(use_uvloop: bool | None) -> asyncio.AbstractEventLoop:
+    if use_uvloop is not False:
+        try:
+            import uvloop
+        except ImportError:
+            if use_uvloop:
+                raise
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class EngineLoop:
+    """An event loop running forever on a daemon thread until :meth:`stop`."""
+
+    def __init__(self, *, use_uvloop: bool | None = None, name: str = "lazyckpt-engine") -> None:
+        self.loop = _new_loop(use_uvloop)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    @property
+    def kind(self) -> str:
+        return type(self.loop).__module__.split(".")[0]
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the engine loop; the future is safe to wait on from any thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self) -> None:
+        """Stop the loop and join its thread (idempotent)."""
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            if not self.in_loop_thread():
+                self._thread.join()

@@ -1,0 +1,420 @@
+"""The snapshot layout (how tensors are cut into shards) and the manifest that records it.
+
+Layout
+------
+A snapshot's tensor bytes form one logical *stream*. Each shard is a window of that stream
+that starts on a 4 KiB boundary (so the same bytes can feed an O_DIRECT writer) and is at
+most ``shard_size`` bytes long. A shard is either
+
+- a *pack*: several small tensors (at most ``pack_bytes`` each) side by side, 64-byte
+  aligned; or
+- a *chunk* of one larger tensor: a run of whole rows along dimension 0 (``rows``), or, when a
+  single row is larger than a shard, a run of flat elements (``flat``). Chunks of one tensor
+  are equal in size but for the last, so a chunk is exactly a regular Zarr chunk.
+
+A file tier writes the stream as it is (one data file per snapshot per rank); an object
+store tier writes each shard as one object. Nothing in the layout depends on the tier.
+
+Manifest
+--------
+JSON, never pickle: ``docs/format.md`` documents every field. :func:`Manifest.from_json`
+validates everything it reads and raises :class:`CorruptionError` on any damage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import crc32c
+import torch
+
+from ._errors import ConfigurationError, CorruptionError
+from ._tree import JSON, TensorRef, dtype_from_name, dtype_name
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LayoutOptions",
+    "Manifest",
+    "Segment",
+    "ShardMeta",
+    "TensorMeta",
+    "plan_layout",
+]
+
+FORMAT_VERSION = 1
+SHARD_ALIGN = 4096
+PACK_ALIGN = 64
+
+Mode = Literal["pack", "rows", "flat", "alias", "empty"]
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """How tensors are cut into shards.
+
+    Attributes:
+        shard_size: the largest shard, in bytes (the unit of copying, of writing and of
+            Zarr chunks). Larger shards mean fewer objects; smaller shards mean finer
+            pipelining and less host memory held per shard.
+        pack_bytes: tensors up to this size are packed together into shared shards.
+    """
+
+    shard_size: int = 16 << 20
+    pack_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.shard_size < SHARD_ALIGN or self.shard_size % SHARD_ALIGN:
+            raise ConfigurationError(
+                f"shard_size must be a positive multiple of {SHARD_ALIGN}, got {self.shard_size}"
+            )
+        if not 0 <= self.pack_bytes <= self.shard_size:
+            raise ConfigurationError(
+                f"pack_bytes must be between 0 and shard_size ({self.shard_size}), "
+                f"got {self.pack_bytes}"
+            )
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of the state: where its bytes are."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    mode: Mode
+    shards: tuple[int, ...] = ()
+    chunk: int = 0
+    offset: int = 0
+    alias_of: int | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Part of one tensor inside a shard: rows (or flat elements, or the whole tensor for a
+    pack) ``start:stop``, at byte ``offset`` of the shard."""
+
+    tensor: int
+    offset: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """One shard: a window ``[offset, offset + length)`` of the snapshot's byte stream."""
+
+    index: int
+    offset: int
+    length: int
+    kind: Literal["pack", "chunk"]
+    segments: tuple[Segment, ...]
+    crc32c: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything needed to find, check and rebuild one snapshot (of one rank)."""
+
+    step: int
+    tree: JSON
+    tensors: tuple[TensorMeta, ...]
+    shards: tuple[ShardMeta, ...]
+    stream_bytes: int
+    rank: int = 0
+    world_size: int = 1
+    created: float = field(default_factory=time.time)
+    pickled: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of tensor data (without alignment padding or aliases)."""
+        return sum(t.nbytes for t in self.tensors if t.alias_of is None)
+
+    def with_checksums(self, crcs: Sequence[int]) -> Manifest:
+        """The same manifest with every shard's crc32c filled in."""
+        if len(crcs) != len(self.shards):
+            raise ValueError("one checksum per shard")
+        shards = tuple(replace(s, crc32c=c) for s, c in zip(self.shards, crcs, strict=True))
+        return replace(self, shards=shards)
+
+    def segment_shape(self, seg: Segment) -> tuple[int, ...]:
+        """The shape of the tensor piece a segment holds."""
+        meta = self.tensors[seg.tensor]
+        if meta.mode == "pack":
+            return meta.shape
+        if meta.mode == "rows":
+            return (seg.stop - seg.start, *meta.shape[1:])
+        return (seg.stop - seg.start,)
+
+    def segment_nbytes(self, seg: Segment) -> int:
+        return math.prod(self.segment_shape(seg)) * self.tensors[seg.tensor].itemsize
+
+    # -- codec -------------------------------------------------------------------------
+
+    def to_json(self) -> bytes:
+        """Encode as UTF-8 JSON (stable key order)."""
+        doc = {
+            "format": "lazyckpt",
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "created": self.created,
+            "stream_bytes": self.stream_bytes,
+            "pickled": self.pickled,
+            "extra": self.extra,
+            "tensors": [
+                {
+                    "key": t.key,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "mode": t.mode,
+                    "shards": list(t.shards),
+                    "chunk": t.chunk,
+                    "offset": t.offset,
+                    "alias_of": t.alias_of,
+                }
+                for t in self.tensors
+            ],
+            "shards": [
+                {
+                    "index": s.index,
+                    "offset": s.offset,
+                    "length": s.length,
+                    "kind": s.kind,
+                    "crc32c": s.crc32c,
+                    "segments": [[g.tensor, g.offset, g.start, g.stop] for g in s.segments],
+                }
+                for s in self.shards
+            ],
+            "tree": self.tree,
+        }
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        doc["checksum"] = crc32c.crc32c(body.encode())
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, source: str = "manifest") -> Manifest:
+        """Decode and validate; any damage raises :class:`CorruptionError` naming ``source``."""
+        try:
+            doc = json.loads(data)
+            return _decode_manifest(doc)
+        except CorruptionError as exc:
+            raise CorruptionError(f"{source}: {exc}") from exc
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            raise CorruptionError(f"{source} is damaged: {exc!r:.200}") from exc
+
+
+def _int(doc: Any, key: str, *, minimum: int = 0) -> int:
+    v = doc[key]
+    if type(v) is not int or v < minimum:
+        raise CorruptionError(f"field {key!r} must be an integer >= {minimum}, got {v!r:.40}")
+    return v
+
+
+def _decode_manifest(doc: Any) -> Manifest:
+    if not isinstance(doc, dict) or doc.get("format") != "lazyckpt":
+        raise CorruptionError("not a lazyckpt manifest")
+    checksum = doc.pop("checksum", None)
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    if checksum != crc32c.crc32c(body):
+        raise CorruptionError("manifest checksum mismatch")
+    version = _int(doc, "format_version", minimum=1)
+    if version > FORMAT_VERSION:
+        raise CorruptionError(
+            f"manifest format {version} is newer than this lazyckpt ({FORMAT_VERSION}); upgrade"
+        )
+    tensors = []
+    for t in doc["tensors"]:
+        shape = tuple(t["shape"])
+        if any(type(d) is not int or d < 0 for d in shape):
+            raise CorruptionError(f"bad shape {shape!r:.60}")
+        dtype_from_name(t["dtype"])
+        if t["mode"] not in ("pack", "rows", "flat", "alias", "empty"):
+            raise CorruptionError(f"bad tensor mode {t['mode']!r:.20}")
+        alias = t["alias_of"]
+        if alias is not None and (type(alias) is not int or not 0 <= alias < len(tensors)):
+            raise CorruptionError(f"bad alias {alias!r:.20}")
+        if not isinstance(t["key"], str):
+            raise CorruptionError("tensor key must be a string")
+        tensors.append(
+            TensorMeta(
+                key=t["key"],
+                dtype=t["dtype"],
+                shape=shape,
+                mode=t["mode"],
+                shards=tuple(_int({"s": s}, "s") for s in t["shards"]),
+                chunk=_int(t, "chunk"),
+                offset=_int(t, "offset"),
+                alias_of=alias,
+            )
+        )
+    shards = []
+    stream = _int(doc, "stream_bytes")
+    for i, s in enumerate(doc["shards"]):
+        if _int(s, "index") != i:
+            raise CorruptionError(f"shard {i} is out of order")
+        crc = s["crc32c"]
+        if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
+            raise CorruptionError(f"bad checksum {crc!r:.20}")
+        if s["kind"] not in ("pack", "chunk"):
+            raise CorruptionError(f"bad shard kind {s['kind']!r:.20}")
+        segments = []
+        for g in s["segments"]:
+            tensor, offset, start, stop = g
+            seg = Segment(
+                tensor=_int({"v": tensor}, "v"),
+                offset=_int({"v": offset}, "v"),
+                start=_int({"v": start}, "v"),
+                stop=_int({"v": stop}, "v"),
+            )
+            if seg.tensor >= len(tensors) or seg.stop < seg.start:
+                raise CorruptionError(f"bad segment {g!r:.60}")
+            segments.append(seg)
+        shard = ShardMeta(
+            index=i,
+            offset=_int(s, "offset"),
+            length=_int(s, "length"),
+            kind=s["kind"],
+            segments=tuple(segments),
+            crc32c=crc,
+        )
+        if shard.offset + shard.length > stream:
+            raise CorruptionError(f"shard {i} lies outside the stream")
+        shards.append(shard)
+    manifest = Manifest(
+        step=_int(doc, "step"),
+        rank=_int(doc, "rank"),
+        world_size=_int(doc, "world_size", minimum=1),
+        created=float(doc["created"]),
+        stream_bytes=stream,
+        pickled=bool(doc["pickled"]),
+        extra=dict(doc["extra"]),
+        tensors=tuple(tensors),
+        shards=tuple(shards),
+        tree=doc["tree"],
+    )
+    for t in manifest.tensors:
+        if any(s >= len(shards) for s in t.shards):
+            raise CorruptionError(f"tensor {t.key!r} names a missing shard")
+    for s in manifest.shards:
+        for g in s.segments:
+            if g.offset + manifest.segment_nbytes(g) > s.length:
+                raise CorruptionError(f"shard {s.index}: a segment overruns the shard")
+    return manifest
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def plan_layout(
+    step: int,
+    tree: JSON,
+    refs: Sequence[TensorRef],
+    options: LayoutOptions,
+    *,
+    pickled: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Manifest:
+    """Cut the tensors of a walked state into shards (see the module docstring).
+
+    Costs O(number of tensors); reads no tensor data.
+    """
+    shard_size, pack_bytes = options.shard_size, options.pack_bytes
+    metas: list[TensorMeta] = []
+    shards: list[ShardMeta] = []
+    cursor = 0  # end of the stream so far
+    pack: list[Segment] = []
+    pack_fill = 0
+    pack_members: list[int] = []
+
+    def close_pack() -> None:
+        nonlocal cursor, pack, pack_fill, pack_members
+        if pack:
+            index = len(shards)
+            shards.append(ShardMeta(index, cursor, pack_fill, "pack", tuple(pack)))
+            for i in pack_members:
+                metas[i] = replace(metas[i], shards=(index,))
+            cursor = _align(cursor + pack_fill, SHARD_ALIGN)
+        pack, pack_fill, pack_members = [], 0, []
+
+    for i, ref in enumerate(refs):
+        t = ref.tensor
+        shape = tuple(t.shape)
+        dtype = dtype_name(t.dtype)
+        nbytes = t.numel() * t.element_size()
+        if ref.alias_of is not None:
+            metas.append(TensorMeta(ref.key, dtype, shape, "alias", alias_of=ref.alias_of))
+            continue
+        if nbytes == 0:
+            metas.append(TensorMeta(ref.key, dtype, shape, "empty"))
+            continue
+        if nbytes <= pack_bytes:
+            offset = _align(pack_fill, PACK_ALIGN)
+            if offset + nbytes > shard_size:
+                close_pack()
+                offset = 0
+            numel = t.numel()
+            pack.append(Segment(i, offset, 0, numel))
+            pack_fill = offset + nbytes
+            pack_members.append(i)
+            metas.append(TensorMeta(ref.key, dtype, shape, "pack", offset=offset))
+            continue
+        row_bytes = nbytes // shape[0] if t.dim() >= 1 and shape[0] > 0 else nbytes
+        if t.dim() >= 1 and row_bytes <= shard_size:
+            rows = shape[0]
+            nchunks = math.ceil(nbytes / shard_size)
+            while math.ceil(rows / nchunks) * row_bytes > shard_size:
+                nchunks += 1
+            per = math.ceil(rows / nchunks)
+            mode: Mode = "rows"
+            total, unit = rows, row_bytes
+        else:
+            per = shard_size // t.element_size()
+            mode = "flat"
+            total, unit = t.numel(), t.element_size()
+        indices = []
+        for start in range(0, total, per):
+            stop = min(start + per, total)
+            length = (stop - start) * unit
+            indices.append(len(shards))
+            shards.append(
+                ShardMeta(len(shards), cursor, length, "chunk", (Segment(i, 0, start, stop),))
+            )
+            cursor = _align(cursor + length, SHARD_ALIGN)
+        metas.append(TensorMeta(ref.key, dtype, shape, mode, tuple(indices), chunk=per))
+    close_pack()
+    return Manifest(
+        step=step,
+        tree=tree,
+        tensors=tuple(metas),
+        shards=tuple(shards),
+        stream_bytes=cursor,
+        rank=rank,
+        world_size=world_size,
+        pickled=pickled,
+    )

@@ -1,0 +1,265 @@
+"""Restoring a snapshot: from the fastest tier that has a good copy, shard by shard.
+
+For each shard the restore walks its own small state table (``_state.RESTORE_TABLE``):
+PENDING, READING from the next tier that holds the step, then VERIFIED when the crc32c
+matches the manifest, or back to PENDING for the next tier on a bad or missing copy, and
+EXHAUSTED when no tier is left (a :class:`CorruptionError` naming the tensors and tiers).
+
+Bytes go straight into the destination tensor when it is a contiguous CPU tensor (an
+``into=`` target or a new tensor); otherwise through a temporary buffer and ``copy_``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+import crc32c
+import torch
+
+from ._errors import (
+    ConfigurationError,
+    CorruptionError,
+    SnapshotNotFoundError,
+    TierError,
+)
+from ._manifest import Manifest, ShardMeta, TensorMeta
+from ._state import RestoreEvent, RestoreState, advance_restore
+from ._tier import Tier
+from ._tree import Stateful, StatefulValue, decode_tree, walk_state
+
+__all__ = ["apply_into", "committed_steps", "read_manifest", "restore_state"]
+
+
+async def committed_steps(tiers: Sequence[Tier]) -> dict[str, list[int]]:
+    """Committed steps per tier; a tier that fails to list is left out (and logged)."""
+    results = await asyncio.gather(*(t.steps() for t in tiers), return_exceptions=True)
+    listing: dict[str, list[int]] = {}
+    for tier, result in zip(tiers, results, strict=True):
+        if isinstance(result, BaseException):
+            if not isinstance(result, Exception):
+                raise result
+            continue
+        listing[tier.name] = result
+    return listing
+
+
+async def read_manifest(
+    tiers: Sequence[Tier], step: int | None
+) -> tuple[Manifest, list[Tier], list[Exception]]:
+    """The manifest of ``step`` (the latest committed if None), the tiers holding it (fastest
+    first), and the problems met on the way."""
+    listing = await committed_steps(tiers)
+    everywhere = sorted({s for steps in listing.values() for s in steps})
+    if step is None:
+        if not everywhere:
+            raise SnapshotNotFoundError(
+                f"no committed snapshot on any tier ({[t.name for t in tiers]})"
+            )
+        step = everywhere[-1]
+    sources = [t for t in tiers if step in listing.get(t.name, [])]
+    if not sources:
+        raise SnapshotNotFoundError(
+            f"step {step} is not committed on any tier; committed steps: {everywhere[-10:]}"
+        )
+    problems: list[Exception] = []
+    for tier in sources:
+        try:
+            return await tier.read_manifest(step), sources, problems
+        except (CorruptionError, TierError, SnapshotNotFoundError) as exc:
+            problems.append(exc)
+    raise CorruptionError(
+        f"step {step}: no tier holds a readable manifest: " + "; ".join(map(str, problems))
+    )
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class _Destinations:
+    """Where each tensor of the manifest goes."""
+
+    def __init__(
+        self, manifest: Manifest, into: Any, map_location: torch.device | str | None
+    ) -> None:
+        self.manifest = manifest
+        self.device = torch.device(map_location) if map_location is not None else None
+        targets: dict[str, torch.Tensor] = {}
+        if into is not None:
+            _, refs = walk_state(into, allow_pickle=False, lenient=True)
+            targets = {r.key: r.tensor for r in refs}
+        self.final: list[torch.Tensor | None] = []
+        self.staging: list[torch.Tensor | None] = []  # contiguous CPU tensor read into
+        for meta in manifest.tensors:
+            if meta.mode == "alias":
+                self.final.append(None)
+                self.staging.append(None)
+                continue
+            target = targets.get(meta.key)
+            if target is not None and (
+                tuple(target.shape) != meta.shape or target.dtype != meta.torch_dtype
+            ):
+                raise ConfigurationError(
+                    f"into[{meta.key!r}] is {target.dtype}{list(target.shape)} but the "
+                    f"checkpoint has {meta.dtype}{list(meta.shape)}"
+                )
+            if target is not None:
+                final = target.detach()
+                direct = final.device.type == "cpu" and final.is_contiguous()
+                staging = final if direct else torch.empty(meta.shape, dtype=meta.torch_dtype)
+            else:
+                staging = torch.empty(meta.shape, dtype=meta.torch_dtype)
+                final = staging
+            self.final.append(final)
+            self.staging.append(staging)
+
+    def finish(self) -> list[torch.Tensor]:
+        """Move staged bytes to their final tensors; resolve aliases."""
+        out: list[torch.Tensor] = []
+        for i, meta in enumerate(self.manifest.tensors):
+            if meta.alias_of is not None:
+                out.append(out[meta.alias_of])
+                continue
+            final, staging = self.final[i], self.staging[i]
+            assert final is not None and staging is not None
+            if final is not staging:
+                final.copy_(staging)
+            elif self.device is not None and self.device != final.device:
+                final = final.to(self.device)
+            out.append(final)
+        return out
+
+
+def _segment_target(dest: torch.Tensor, meta: TensorMeta, start: int, stop: int) -> torch.Tensor:
+    if meta.mode == "rows":
+        return dest[start:stop]
+    if meta.mode == "flat":
+        return dest.reshape(-1)[start:stop]
+    return dest
+
+
+async def _restore_shard(
+    manifest: Manifest,
+    shard: ShardMeta,
+    sources: Sequence[Tier],
+    dests: _Destinations,
+    problems: list[Exception],
+) -> None:
+    loop = asyncio.get_running_loop()
+    direct = None
+    if shard.kind == "chunk":
+        (seg,) = shard.segments
+        staging = dests.staging[seg.tensor]
+        assert staging is not None
+        meta = manifest.tensors[seg.tensor]
+        unit = meta.itemsize * (math.prod(meta.shape[1:]) if meta.mode == "rows" else 1)
+        direct = _byte_view(staging)[seg.start * unit : seg.stop * unit]
+    buffer = None
+    if direct is None:
+        buffer = torch.empty(shard.length, dtype=torch.uint8)
+        out = _byte_view(buffer)
+    else:
+        out = direct
+    state = RestoreState.PENDING
+    for tier in sources:
+        state = advance_restore(state, RestoreEvent.START_READ)
+        try:
+            await tier.read_shard(manifest, shard, out)
+            crc = await loop.run_in_executor(None, crc32c.crc32c, out)
+            if crc != shard.crc32c:
+                raise CorruptionError(
+                    f"tier {tier.name!r}: shard {shard.index} of step {manifest.step} fails "
+                    f"its checksum (holds {_keys(manifest, shard)})"
+                )
+        except (CorruptionError, TierError) as exc:
+            problems.append(exc)
+            state = advance_restore(state, RestoreEvent.BAD_COPY)
+            continue
+        state = advance_restore(state, RestoreEvent.CHECKSUM_OK)
+        break
+    if state is not RestoreState.VERIFIED:
+        advance_restore(state, RestoreEvent.NO_MORE_TIERS)
+        raise CorruptionError(
+            f"step {manifest.step}: no tier holds a good copy of shard {shard.index} "
+            f"({_keys(manifest, shard)}); tried {[t.name for t in sources]}"
+        )
+    if buffer is not None:
+        for seg in shard.segments:
+            meta = manifest.tensors[seg.tensor]
+            nbytes = manifest.segment_nbytes(seg)
+            piece = buffer[seg.offset : seg.offset + nbytes].view(meta.torch_dtype)
+            piece = piece.view(manifest.segment_shape(seg))
+            staging = dests.staging[seg.tensor]
+            assert staging is not None
+            _segment_target(staging, meta, seg.start, seg.stop).copy_(piece)
+
+
+def _keys(manifest: Manifest, shard: ShardMeta) -> str:
+    keys = [manifest.tensors[s.tensor].key for s in shard.segments]
+    return ", ".join(repr(k) for k in keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+async def restore_state(
+    manifest: Manifest,
+    sources: Sequence[Tier],
+    *,
+    into: Any,
+    map_location: torch.device | str | None,
+    allow_pickle: bool,
+    concurrency: int = 4,
+) -> Any:
+    """Read every shard of ``manifest`` (falling back tier by tier) and rebuild the state."""
+    if manifest.pickled and not allow_pickle:
+        decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
+    dests = _Destinations(manifest, into, map_location)
+    problems: list[Exception] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(shard: ShardMeta) -> None:
+        async with sem:
+            await _restore_shard(manifest, shard, sources, dests, problems)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for shard in manifest.shards:
+                tg.create_task(one(shard))
+    except ExceptionGroup as group:
+        first = group.exceptions[0]
+        while isinstance(first, ExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    tensors = dests.finish()
+    state = decode_tree(manifest.tree, tensors, allow_pickle=allow_pickle)
+    if into is not None:
+        apply_into(into, state)
+        return into
+    return state
+
+
+def apply_into(into: Any, restored: Any, key: str = "") -> None:
+    """Load ``restored`` into ``into`` in place: tensors were already copied into; Stateful
+    objects get ``load_state_dict``; other values of a mutable mapping are replaced."""
+    if isinstance(into, Stateful) and not isinstance(into, Mapping):
+        into.load_state_dict(dict(restored) if isinstance(restored, StatefulValue) else restored)
+        return
+    if not isinstance(into, MutableMapping) or not isinstance(restored, Mapping):
+        raise ConfigurationError(
+            f"cannot restore into {type(into).__qualname__} at {key or '<root>'!r}; "
+            "into= takes a mutable mapping of tensors, Stateful objects and values"
+        )
+    for k, value in restored.items():
+        current = into.get(k)
+        child = f"{key}/{k}" if key else str(k)
+        if isinstance(current, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value is not current:
+                current.copy_(value)
+        elif isinstance(current, Stateful) and not isinstance(current, Mapping):
+            apply_into(current, value, child)
+        elif isinstance(current, MutableMapping) and isinstance(value, Mapping):
+            apply_into(current, value, child)
+        else:
+            into[k] = dict(value) if isinstance(value, StatefulValue) else value
+

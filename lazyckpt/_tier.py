@@ -1,0 +1,210 @@
+"""The tier interface: what every storage tier must do, and the optional extras.
+
+A tier stores snapshots, shard by shard, and makes one visible only when it is committed.
+The required surface is small (see :class:`Tier`); optional abilities are separate
+protocols checked with ``isinstance`` (:class:`SupportsStaging`).
+
+Built-in tiers live in the top-level package ``tiers`` and register through the entry-point
+group ``lazyckpt.tiers``, exactly as a third-party tier does; ``lazyckpt`` never imports
+``tiers``. ``docs/tiers.md`` explains how to write one, and ``lazyckpt.testing.TierTests`` is
+the conformance suite it should pass.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ._errors import (
+    ConfigurationError,
+    TierBrokenError,
+    TierError,
+    TierFullError,
+)
+from ._state import TierLevel
+
+if TYPE_CHECKING:
+    from ._arena import Block, HostArena
+    from ._manifest import Manifest, ShardMeta
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Retention",
+    "SupportsStaging",
+    "Tier",
+    "available_tiers",
+    "load_tier",
+    "translate_os_error",
+]
+
+ENTRY_POINT_GROUP = "lazyckpt.tiers"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed snapshots a tier keeps.
+
+    ``keep_last`` keeps the newest k; ``keep_every`` also keeps every step divisible by n.
+    ``None`` for both keeps everything. The newest committed snapshot is never deleted.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every"):
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ConfigurationError(f"{name} must be a positive integer or None, got {v!r}")
+
+    def to_delete(self, steps: Iterable[int]) -> list[int]:
+        """Steps to delete, given the committed ``steps``."""
+        ordered = sorted(steps)
+        if self.keep_last is None and self.keep_every is None:
+            return []
+        keep = set(ordered[-1:])
+        if self.keep_last is not None:
+            keep.update(ordered[-self.keep_last :])
+        if self.keep_every is not None:
+            keep.update(s for s in ordered if s % self.keep_every == 0)
+        return [s for s in ordered if s not in keep]
+
+
+class Tier(abc.ABC):
+    """Base class of every storage tier.
+
+    A subclass sets ``level`` and implements the abstract coroutines. Constructors do no I/O;
+    :meth:`open` does (create directories, clean up what a crash left behind).
+
+    Contract for the coroutines, which the conformance suite checks:
+
+    - ``begin(m)`` then any number of ``put_shard(m, shard, data)`` (concurrently, in any
+      order), then ``commit(m)`` makes step ``m.step`` visible to ``steps()`` atomically:
+      before ``commit`` returns it is not listed, after it is, with every shard durable.
+    - ``abort(step)`` drops whatever an uncommitted step wrote; it is idempotent.
+    - ``read_shard(m, shard, out)`` fills ``out`` (exactly ``shard.length`` bytes) with the
+      stored bytes. It need not verify checksums (the engine does) but must raise
+      :class:`~lazyckpt.CorruptionError` for missing or short data.
+    - ``delete(step)`` un-commits first, then removes the data.
+    - Backend failures are raised as :class:`~lazyckpt.TierError` subclasses.
+    """
+
+    level: TierLevel = TierLevel.LOCAL
+    default_name: str = "tier"
+
+    def __init__(
+        self,
+        *,
+        name: str | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+    ) -> None:
+        self.name = self.default_name if name is None else name
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigurationError(
+                f"tier name must be 1-64 letters, digits, '_', '.' or '-', got {self.name!r}"
+            )
+        self.retention = Retention(keep_last=keep_last, keep_every=keep_every)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    async def open(self) -> None:  # noqa: B027 - optional hook, empty on purpose
+        """Prepare the backend (I/O allowed); called once by the Checkpointer."""
+
+    @abc.abstractmethod
+    async def begin(self, manifest: Manifest) -> None:
+        """Get ready to receive the shards of ``manifest.step``."""
+
+    @abc.abstractmethod
+    async def put_shard(self, manifest: Manifest, shard: ShardMeta, data: memoryview) -> None:
+        """Store ``data`` (``shard.length`` bytes) durably. Do not keep ``data`` afterwards."""
+
+    @abc.abstractmethod
+    async def commit(self, manifest: Manifest) -> None:
+        """Make the snapshot visible, atomically, with its manifest."""
+
+    @abc.abstractmethod
+    async def abort(self, step: int) -> None:
+        """Remove what an uncommitted snapshot of ``step`` left; idempotent."""
+
+    @abc.abstractmethod
+    async def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+
+    @abc.abstractmethod
+    async def read_manifest(self, step: int) -> Manifest:
+        """The manifest of a committed step; :class:`SnapshotNotFoundError` if there is none."""
+
+    @abc.abstractmethod
+    async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+        """Fill ``out`` with the shard's stored bytes."""
+
+    @abc.abstractmethod
+    async def delete(self, step: int) -> None:
+        """Un-commit, then remove, a committed step."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release the backend. Further calls raise :class:`TierClosedError`."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the manifest records about this tier (never credentials)."""
+        return {"name": self.name, "type": type(self).__qualname__, "level": self.level.name}
+
+
+@runtime_checkable
+class SupportsStaging(Protocol):
+    """A host-memory tier whose arena receives captures directly (zero copy).
+
+    The engine allocates blocks from ``arena``, captures into them, then hands each to the
+    tier with :meth:`adopt`; ``commit`` then keeps the snapshot for fast restore until the
+    arena needs the space.
+    """
+
+    @property
+    def arena(self) -> HostArena: ...
+
+    def adopt(self, manifest: Manifest, shard: ShardMeta, block: Block) -> None: ...
+
+
+def translate_os_error(exc: OSError, tier: str, what: str) -> TierError:
+    """An ``OSError`` as the lazyckpt error a user can act on (cause kept by the caller)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return TierFullError(f"{what}: out of space ({exc.strerror})", tier=tier)
+    return TierBrokenError(f"{what}: {exc.strerror or exc}", tier=tier)
+
+
+def available_tiers() -> dict[str, Callable[..., Tier]]:
+    """Tier classes registered under the ``lazyckpt.tiers`` entry-point group, by name."""
+    found: dict[str, Callable[..., Tier]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            found[ep.name] = ep.load()
+        except Exception as exc:  # a broken plugin must not hide the others
+            raise ConfigurationError(
+                f"tier plugin {ep.name!r} ({ep.value}) failed to load: {exc}"
+            ) from exc
+    return found
+
+
+def load_tier(kind: str, *args: Any, **kwargs: Any) -> Tier:
+    """Build a registered tier by its entry-point name: ``load_tier("file", "/nvme/run1")``."""
+    tiers = available_tiers()
+    try:
+        cls = tiers[kind]
+    except KeyError:
+        raise ConfigurationError(
+            f"no tier named {kind!r} is registered; available: {sorted(tiers)}"
+        ) from None
+    tier = cls(*args, **kwargs)
+    if not isinstance(tier, Tier):
+        raise ConfigurationError(f"entry point {kind!r} did not produce a lazyckpt Tier")
+    return tier
+

@@ -1,0 +1,308 @@
+"""Walking a user's state into tensors and tagged JSON, and building it back.
+
+A state is a nested structure of mappings, lists, tuples, tensors, ``Stateful`` objects
+(anything with ``state_dict()``/``load_state_dict()``) and plain values. Walking it yields
+
+- a JSON document (the *tree*) in which every tensor is replaced by ``{"$tensor": i}``;
+- a list of :class:`TensorRef`, one per distinct tensor, in walk order.
+
+Plain values are stored as *tagged JSON*, so that restoring never executes code:
+
+==================  ==========================================
+Python              JSON
+==================  ==========================================
+None, bool, int,    themselves
+str, finite float
+nan, inf, -inf      ``{"$float": "nan"}`` etc.
+list                a JSON list
+tuple               ``{"$tuple": [...]}``
+dict                ``{"$dict": [[key, value], ...]}`` (any plain key, order kept)
+bytes               ``{"$bytes": "<base64>"}``
+torch.dtype         ``{"$dtype": "bfloat16"}``
+torch.device        ``{"$device": "cuda:0"}``
+torch.Size          ``{"$size": [...]}``
+numpy scalar        ``{"$np": ["float32", value]}``
+Stateful object     ``{"$stateful": <its state_dict, encoded>}``
+anything else       ``{"$pickle": "<base64>"}`` only with ``allow_pickle=True``
+==================  ==========================================
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from ._errors import CorruptionError, UnsupportedStateError
+
+__all__ = ["Stateful", "TensorRef", "decode_tree", "dtype_from_name", "dtype_name", "walk_state"]
+
+JSON = Any  # a JSON-compatible value; kept loose because JSON is recursive
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: a module, an optimizer, a
+    learning-rate scheduler, a data loader with state."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
+_DTYPES: dict[str, torch.dtype] = {}
+for _name in (
+    "float64 float32 float16 bfloat16 complex128 complex64 complex32 bool uint8 int8 int16 "
+    "int32 int64 uint16 uint32 uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
+    "float8_e5m2fnuz float8_e8m0fnu"
+).split():
+    _dt = getattr(torch, _name, None)
+    if isinstance(_dt, torch.dtype):
+        _DTYPES[_name] = _dt
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The stable name lazyckpt stores for a dtype (``"bfloat16"``)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise UnsupportedStateError(f"dtype {dtype} is not supported") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; a name this torch does not know is corruption or a
+    checkpoint from a newer torch."""
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise CorruptionError(f"unknown dtype {name!r} in manifest") from None
+
+
+@dataclass
+class TensorRef:
+    """A tensor found in the state, with what ``snapshot()`` recorded about it."""
+
+    key: str
+    tensor: torch.Tensor
+    version: int | None
+    alias_of: int | None = None
+
+
+def _escape(part: str) -> str:
+    return part.replace("%", "%25").replace("/", "%2F")
+
+
+def _check_tensor(key: str, t: torch.Tensor) -> None:
+    if t.layout != torch.strided:
+        raise UnsupportedStateError(
+            f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors can be "
+            "checkpointed. Convert it with .to_dense() first."
+        )
+    if t.is_quantized:
+        raise UnsupportedStateError(
+            f"tensor {key!r} is quantized; dequantize it or store its int_repr() and scales."
+        )
+    if t.device.type == "meta":
+        raise UnsupportedStateError(f"tensor {key!r} is on the meta device and has no data")
+    if t.dtype not in _DTYPE_NAMES:
+        raise UnsupportedStateError(f"tensor {key!r} has unsupported dtype {t.dtype}")
+
+
+def _identity(t: torch.Tensor) -> tuple[Any, ...]:
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+    )
+
+
+class _Walker:
+    def __init__(self, allow_pickle: bool, lenient: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+        self.lenient = lenient
+        self.tensors: list[TensorRef] = []
+        self._seen_tensor: dict[tuple[Any, ...], int] = {}
+        self._active: set[int] = set()
+
+    def encode(self, obj: Any, key: str) -> JSON:
+        if obj is None or type(obj) in (bool, int, str):
+            return obj
+        if type(obj) is float:
+            if math.isfinite(obj):
+                return obj
+            return {"$float": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return {"$tensor": self._add_tensor(obj, key)}
+        if type(obj) is torch.Size:
+            return {"$size": list(obj)}
+        if isinstance(obj, torch.dtype):
+            return {"$dtype": dtype_name(obj)}
+        if isinstance(obj, torch.device):
+            return {"$device": str(obj)}
+        if isinstance(obj, bytes | bytearray):
+            return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
+            return {"$np": [obj.dtype.str, self.encode(obj.item(), key)]}
+        if type(obj) in (dict, list, tuple) or (
+            isinstance(obj, Mapping) and not isinstance(obj, Stateful)
+        ):
+            if id(obj) in self._active:
+                raise UnsupportedStateError(f"the state contains a cycle at {key!r}")
+            self._active.add(id(obj))
+            try:
+                return self._encode_container(obj, key)
+            except RuntimeError as exc:  # e.g. "dictionary changed size during iteration"
+                raise UnsupportedStateError(
+                    f"the state at {key!r} changed while snapshot() was reading it: {exc}"
+                ) from exc
+            finally:
+                self._active.discard(id(obj))
+        if isinstance(obj, Stateful):
+            return {"$stateful": self.encode(obj.state_dict(), key)}
+        if self.lenient:
+            return None
+        if self.allow_pickle:
+            try:
+                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise UnsupportedStateError(f"value at {key!r} cannot be pickled: {exc}") from exc
+            return {"$pickle": base64.b64encode(data).decode("ascii")}
+        raise UnsupportedStateError(
+            f"value at {key!r} of type {type(obj).__qualname__} is not a tensor, a Stateful "
+            "object or a plain value (dict, list, tuple, str, int, float, bool, None, bytes). "
+            "Convert it, or pass allow_pickle=True to the Checkpointer on both save and "
+            "restore if you trust every reader of this checkpoint."
+        )
+
+    def _encode_container(self, obj: Any, key: str) -> JSON:
+        if isinstance(obj, list):
+            return [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return {"$tuple": [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]}
+        items = []
+        for k, v in obj.items():
+            if not (k is None or type(k) in (bool, int, str, float, tuple)):
+                raise UnsupportedStateError(
+                    f"key {k!r} under {key!r} is of type {type(k).__qualname__}; "
+                    "mapping keys must be str, int, float, bool, None or tuples of them"
+                )
+            child = f"{key}/{_escape(str(k))}" if key else _escape(str(k))
+            items.append([self.encode(k, key), self.encode(v, child)])
+        return {"$dict": items}
+
+    def _add_tensor(self, t: torch.Tensor, key: str) -> int:
+        key = key or "<root>"
+        _check_tensor(key, t)
+        ident = _identity(t)
+        first = self._seen_tensor.get(ident)
+        try:
+            version: int | None = t._version
+        except (RuntimeError, AttributeError):  # inference tensors carry no version counter
+            version = None
+        index = len(self.tensors)
+        self.tensors.append(TensorRef(key=key, tensor=t, version=version, alias_of=first))
+        if first is None:
+            self._seen_tensor[ident] = index
+        return index
+
+
+def walk_state(
+    state: Any, *, allow_pickle: bool, lenient: bool = False
+) -> tuple[JSON, list[TensorRef]]:
+    """Walk ``state`` into its tagged-JSON tree and its tensors (see the module docstring).
+
+    ``lenient`` (used to find the tensors of an ``into=`` target) skips values it cannot
+    encode instead of refusing them. A tensor seen a second time under another key (same storage, offset, shape, strides and
+    dtype: a tied weight) becomes an alias of the first and is stored once.
+    """
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError(
+            f"the state must be a mapping (a dict of tensors, Stateful objects and plain "
+            f"values), got {type(state).__qualname__}"
+        )
+    walker = _Walker(allow_pickle, lenient)
+    tree = walker.encode(state, "")
+    return tree, walker.tensors
+
+
+def decode_tree(tree: JSON, tensors: list[Any], *, allow_pickle: bool) -> Any:
+    """Build the state back from its tree; ``tensors[i]`` replaces ``{"$tensor": i}``.
+
+    A ``$stateful`` node comes back as its decoded state dict. Pickled values are refused
+    unless ``allow_pickle`` is true. Any malformed node raises :class:`CorruptionError`.
+    """
+    try:
+        return _decode(tree, tensors, allow_pickle)
+    except (CorruptionError, UnsupportedStateError):
+        raise
+    except Exception as exc:
+        raise CorruptionError(f"the manifest's value tree is damaged: {exc!r}") from exc
+
+
+class StatefulValue(dict[Any, Any]):
+    """The decoded state dict of a Stateful object (a dict, marked so ``into=`` knows to call
+    ``load_state_dict``)."""
+
+
+def _decode(node: JSON, tensors: list[Any], allow_pickle: bool) -> Any:
+    if node is None or isinstance(node, bool | int | str | float):
+        return node
+    if isinstance(node, list):
+        return [_decode(v, tensors, allow_pickle) for v in node]
+    if not isinstance(node, dict) or len(node) != 1:
+        raise CorruptionError(f"malformed node in value tree: {node!r:.80}")
+    ((tag, value),) = node.items()
+    if tag == "$dict":
+        return {
+            _hashable(_decode(k, tensors, allow_pickle)): _decode(v, tensors, allow_pickle)
+            for k, v in value
+        }
+    if tag == "$tuple":
+        return tuple(_decode(v, tensors, allow_pickle) for v in value)
+    if tag == "$stateful":
+        inner = _decode(value, tensors, allow_pickle)
+        return StatefulValue(inner) if isinstance(inner, dict) else inner
+    if tag == "$tensor":
+        if type(value) is not int or not 0 <= value < len(tensors):
+            raise CorruptionError(f"tensor reference {value!r} out of range")
+        return tensors[value]
+    if tag == "$float":
+        if value not in ("nan", "inf", "-inf"):
+            raise CorruptionError(f"bad float tag {value!r}")
+        return float(value)
+    if tag == "$bytes":
+        return base64.b64decode(value, validate=True)
+    if tag == "$dtype":
+        return dtype_from_name(value)
+    if tag == "$device":
+        return torch.device(value)
+    if tag == "$size":
+        return torch.Size(value)
+    if tag == "$np":
+        dtype, inner = value
+        return np.dtype(dtype).type(_decode(inner, tensors, allow_pickle))
+    if tag == "$pickle":
+        if not allow_pickle:
+            raise UnsupportedStateError(
+                "this checkpoint holds a pickled value; restoring it would run code from the "
+                "checkpoint. Pass allow_pickle=True if you trust its origin."
+            )
+        return pickle.loads(base64.b64decode(value, validate=True))
+    raise CorruptionError(f"unknown tag {tag!r} in value tree")
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):  # defensive: keys are encoded as tuples, never lists
+        raise CorruptionError("a mapping key decoded to a list")
+    return key
+

@@ -1,0 +1,10 @@
+"""The built-in storage tiers of lazyckpt.
+
+Each registers under the ``lazyckpt.tiers`` entry-point group, the same way a third-party
+tier does; ``lazyckpt`` itself never imports this package.
+"""
+
+from ._file import FileTier
+from ._host import HostMemoryTier
+
+__all__ = ["FileTier", "HostMemoryTier"]
