@@ -1,0 +1,104 @@
+"""Walking states and the tagged-JSON value codec."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lazyckpt import CorruptionError, UnsupportedStateError
+from lazyckpt._tree import decode_tree, walk_state
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+keys = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=4)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.lists(inner, max_size=4).map(tuple)
+    | st.dictionaries(keys, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.text(max_size=5), values, max_size=5))
+def test_plain_values_round_trip_exactly(state: dict[str, Any]) -> None:
+    tree, refs = walk_state(state, allow_pickle=False)
+    assert refs == []
+    back = decode_tree(json.loads(json.dumps(tree)), [], allow_pickle=False)
+    assert back == state
+    assert _types(back) == _types(state)
+
+
+def _types(v: Any) -> Any:
+    if isinstance(v, dict):
+        return ("dict", [(type(k), _types(x)) for k, x in v.items()])
+    if isinstance(v, list | tuple):
+        return (type(v), [_types(x) for x in v])
+    return type(v)
+
+
+def test_special_floats_numpy_and_torch_values() -> None:
+    state = {
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "np": np.float32(1.5),
+        "npi": np.int64(7),
+        "dt": torch.float16,
+        "dev": torch.device("cpu"),
+    }
+    tree, _ = walk_state(state, allow_pickle=False)
+    back = decode_tree(json.loads(json.dumps(tree)), [], allow_pickle=False)
+    assert back["nan"] != back["nan"] and back["inf"] == float("-inf")
+    assert type(back["np"]) is np.float32 and back["np"] == np.float32(1.5)
+    assert back["dt"] is torch.float16 and back["dev"] == torch.device("cpu")
+
+
+def test_tensors_and_aliases() -> None:
+    w = torch.zeros(3)
+    tree, refs = walk_state({"a": w, "b": [w, w[1:]], "c": w.clone()}, allow_pickle=False)
+    assert [r.key for r in refs] == ["a", "b/0", "b/1", "c"]
+    assert [r.alias_of for r in refs] == [None, 0, None, None]
+    assert refs[0].version == w._version
+
+
+def test_cycles_and_bad_keys_are_refused() -> None:
+    loop: dict[str, Any] = {}
+    loop["self"] = loop
+    with pytest.raises(UnsupportedStateError, match="cycle"):
+        walk_state(loop, allow_pickle=False)
+    with pytest.raises(UnsupportedStateError, match="key"):
+        walk_state({"d": {object(): 1}}, allow_pickle=False)
+
+
+def test_keys_are_escaped_unambiguously() -> None:
+    _, refs = walk_state({"a/b": torch.zeros(1), "a": {"b": torch.zeros(1)}}, allow_pickle=False)
+    assert refs[0].key != refs[1].key
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"$nope": 1},
+        {"$tensor": 5},
+        {"$float": "1.0"},
+        {"$dict": [[1]]},
+        {"$bytes": "***"},
+        {"$dtype": "float128"},
+        {"a": 1, "b": 2},
+    ],
+)
+def test_damaged_trees_raise_corruption(tree: Any) -> None:
+    with pytest.raises(CorruptionError):
+        decode_tree(tree, [], allow_pickle=False)
