@@ -40,6 +40,7 @@ from ._errors import (
     TierBrokenError,
     TierError,
 )
+from . import hooks
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._state import Event, ShardState, StateTable, advance, build_table
@@ -347,6 +348,7 @@ class Engine:
             return
         flight.crcs[i] = crc
         flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+        hooks.point("capture.done")
         shard = replace(shard, crc32c=crc)
         self._count(0, shard.length)
         if self.host is not None:
@@ -373,6 +375,7 @@ class Engine:
                             k, f"put shard {i}", tier.put_shard(m, shard, block.memoryview())
                         )
                         self._count(k, shard.length, time.perf_counter() - t0)
+                    hooks.point("tier.put.done")
                 except Exception as exc:
                     self._fail(flight, k, exc)
                     break
@@ -442,7 +445,9 @@ class Engine:
         manifest = flight.manifest.with_checksums(flight.crcs)
         manifest = replace(manifest, extra={**manifest.extra, "tier": tier.describe()})
         try:
+            hooks.point("tier.commit.before")
             await self._guarded(stage, "commit", tier.commit(manifest))
+            hooks.point("tier.commit.after")
         except Exception as exc:
             if stage == 0:  # the host copy is a convenience; its loss fails nothing else
                 log.info("host tier did not keep step %d: %s", flight.step, exc)
@@ -469,6 +474,7 @@ class Engine:
             for step in tier.retention.to_delete(committed):
                 if step in self.protected or step in self.flights:
                     continue
+                hooks.point("retention.before_delete")
                 await self._guarded(stage, f"delete step {step}", tier.delete(step))
         except Exception as exc:
             log.warning("retention on %s failed: %s", tier.name, exc, extra={"tier": tier.name})

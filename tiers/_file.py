@@ -25,6 +25,7 @@ import re
 import shutil
 from pathlib import Path
 
+from lazyckpt import hooks
 from lazyckpt import (
     ConfigurationError,
     CorruptionError,
@@ -185,6 +186,7 @@ class FileTier(Tier):
                 for o in pieces
             )
         )
+        hooks.point("file.write.before_sync")
         await self._run(f"sync shard {shard.index}", os.fdatasync, fd)
 
     def _pwrite(self, fd: int, data: memoryview, offset: int) -> None:
@@ -232,6 +234,7 @@ class FileTier(Tier):
                 os.close(fd)
         else:
             d.mkdir(parents=True, exist_ok=True)  # a snapshot without tensor data
+        hooks.point("file.commit.before_manifest")
         tmp = d / f"{MANIFEST}.tmp"
         wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -241,7 +244,9 @@ class FileTier(Tier):
             os.fsync(wfd)
         finally:
             os.close(wfd)
+        hooks.point("file.commit.before_rename")
         os.replace(tmp, d / MANIFEST)
+        hooks.point("file.commit.after_rename")
         _fsync_dir(d)
         _fsync_dir(self.root)
 
@@ -317,6 +322,7 @@ class FileTier(Tier):
         with contextlib.suppress(FileNotFoundError):
             (d / MANIFEST).unlink()
             _fsync_dir(d)
+            hooks.point("file.delete.after_unlink")
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -1,0 +1,58 @@
+"""A training-like process for the crash tests: snapshots a reproducible state every step.
+
+Run as ``python crash_child.py ROOT TIER FIRST_STEP LAST_STEP [WAIT]`` where WAIT is
+``captured`` (the default, as a guarded training loop does) or ``committed`` (each snapshot
+is durable before the next step starts). The state of step s is a pure
+function of s (see :func:`state_of`), so a checker in another process can rebuild exactly
+what was snapshotted at any step and compare it bit for bit with what was restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lazyckpt
+from tiers import FileTier, HostMemoryTier
+
+SHARD = 1 << 16
+
+
+def state_of(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {
+            "w1": torch.randn(256, 192, generator=g),
+            "w2": torch.randn(192, 256, generator=g).to(torch.bfloat16),
+            "norms": [torch.randn(64, generator=g) for _ in range(20)],
+        },
+        "optim": {"exp_avg": torch.randn(300, 100, generator=g), "step": step},
+        "step": step,
+    }
+
+
+def durable_tier(root: Path, kind: str, **kwargs: Any) -> lazyckpt.Tier:
+    if kind == "file":
+        return FileTier(root / "file", **kwargs)
+    return lazyckpt.load_tier(kind, str(root / kind), **kwargs)
+
+
+async def main(root: Path, kind: str, first: int, last: int, wait: str) -> None:
+    chain = [HostMemoryTier(4 << 20), durable_tier(root, kind, keep_last=3)]
+    async with lazyckpt.Checkpointer(chain, shard_size=SHARD, pack_bytes=4096) as ckpt:
+        for step in range(first, last):
+            handle = await ckpt.snapshot(state_of(step), step=step)
+            if wait == "committed":
+                await handle.committed()
+            else:
+                await ckpt.wait_captured()  # as the guard would before the next optimizer step
+    print("finished", flush=True)
+
+
+if __name__ == "__main__":
+    wait = sys.argv[5] if len(sys.argv) > 5 else "captured"
+    asyncio.run(main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), wait))
