@@ -139,7 +139,7 @@ class _Core:
         tiers: Sequence[Tier],
         *,
         shard_size: int,
-        pack_bytes: int,
+        pack_bytes: int | None,
         allow_pickle: bool,
         capture_threads: int,
         io_concurrency: int,
@@ -151,7 +151,10 @@ class _Core:
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence):
             raise ConfigurationError("tiers must be a list of Tier objects, fastest first")
         options = EngineOptions(
-            layout=LayoutOptions(shard_size=shard_size, pack_bytes=pack_bytes),
+            layout=LayoutOptions(
+                shard_size=shard_size,
+                pack_bytes=min(1 << 20, shard_size // 4) if pack_bytes is None else pack_bytes,
+            ),
             allow_pickle=allow_pickle,
             capture_threads=capture_threads,
             io_concurrency=io_concurrency,
@@ -301,7 +304,7 @@ def _tags(tree: Any) -> set[str]:
 
 _DEFAULTS: dict[str, Any] = {
     "shard_size": 16 << 20,
-    "pack_bytes": 1 << 20,
+    "pack_bytes": None,
     "allow_pickle": False,
     "capture_threads": 1,
     "io_concurrency": 4,
@@ -325,7 +328,8 @@ class Checkpointer:
             ``ZarrTier``. Without a host tier first, captures stage through a private arena
             of ``staging_bytes``.
         shard_size: the unit of copying and writing, in bytes (multiple of 4096).
-        pack_bytes: tensors up to this size are packed together into shared shards.
+        pack_bytes: tensors up to this size are packed together into shared shards
+            (default: 1 MiB or a quarter of ``shard_size``, whichever is smaller).
         allow_pickle: store (and restore) values that are not plain data with pickle. Off by
             default: restoring then never runs code from a checkpoint.
         capture_threads: threads copying CPU tensors into host memory.

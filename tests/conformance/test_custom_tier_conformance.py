@@ -1,0 +1,23 @@
+"""The example third-party tier passes the same conformance suite as the built-ins."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lazyckpt import Tier
+from lazyckpt.testing import TierTests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from custom_tier import DictStoreTier  # noqa: E402
+
+
+class TestDictStoreTier(TierTests):
+    @pytest.fixture
+    def make_tier(self) -> Callable[[], Tier]:
+        bucket = f"test-{uuid.uuid4().hex}"
+        return lambda: DictStoreTier(bucket)
