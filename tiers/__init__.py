@@ -6,5 +6,6 @@ tier does; ``lazyckpt`` itself never imports this package.
 
 from ._file import FileTier
 from ._host import HostMemoryTier
+from ._zarr import ZarrTier
 
-__all__ = ["FileTier", "HostMemoryTier"]
+__all__ = ["FileTier", "HostMemoryTier", "ZarrTier"]

@@ -1,0 +1,1041 @@
+"""ZarrTier: snapshots as Zarr v3 groups, on a local or Lustre path or on S3.
+
+Layout under the root (a directory, an S3 prefix, or any Zarr v3 store)::
+
+    zarr.json                        root group; attributes.lazyckpt.committed lists the
+                                     committed steps (the commit index)
+    step-000000000100/               one group per snapshot
+        zarr.json                    written at commit: format version, step, key -> array
+                                     map, and the lazyckpt manifest (so restore is exact)
+        tensors/                     one array per large tensor, at its state-dict key
+            model/zarr.json
+            model/layer.weight/zarr.json
+            model/layer.weight/c/0/0, c/1/0, ...
+        packed/                      the small tensors, side by side in a sharded uint8
+            zarr.json                array; attributes.lazyckpt.index: key -> offset, dtype,
+            c/0, c/1, ...            shape. One shard object per pack shard.
+
+Every array is uncompressed with a crc32c codec, so plain ``zarr`` (no lazyckpt installed)
+reads every tensor and detects a damaged chunk. dtypes zarr lacks (bfloat16, float8,
+complex32) are stored as unsigned integers of the same width; the real dtype is in the
+attributes. A shard of the lazyckpt layout is exactly one zarr chunk (a pack shard is one
+zarr shard), so each is written as one object, already encoded, straight to the store:
+zarr's ``setitem`` would copy it twice more on the way.
+
+Commit protocol: ``begin`` writes the array metadata, ``put_shard`` one object per shard,
+``commit`` the snapshot group's ``zarr.json`` and then, last, the root ``zarr.json`` with
+the step added to its index: one atomic object write (an S3 PUT, or a rename here). A step
+missing from the index does not exist for ``steps()`` or restore, and ``open()`` removes
+what a crash left of it. Listing committed steps reads that one small object and never
+lists the keys of a snapshot.
+
+``docs/zarr.md`` has the plain-zarr recipe and the S3 configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import sys
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import crc32c
+import numpy as np
+from zarr.abc.store import Store
+from zarr.core.buffer import Buffer, default_buffer_prototype
+from zarr.core.buffer.cpu import Buffer as CpuBuffer
+
+from lazyckpt import (
+    FORMAT_VERSION,
+    ConfigurationError,
+    CorruptionError,
+    LazyCkptError,
+    Manifest,
+    ShardMeta,
+    SnapshotNotFoundError,
+    TensorMeta,
+    Tier,
+    TierBrokenError,
+    TierClosedError,
+    TierFullError,
+    TierLevel,
+)
+
+from ._zarr_store import DurableLocalStore
+
+__all__ = ["ZarrTier"]
+
+T = TypeVar("T")
+
+_STEP_GROUP = re.compile(r"^step-(\d{12})$")
+_NO_CHUNK = 2**64 - 1  # a shard index entry for an inner chunk that was not written
+_MAX_NAME = 200  # bytes: file systems allow 255 per component, temporary names need a few
+
+# Zarr v3 data types for torch dtypes. Those zarr lacks are stored as unsigned integers of the
+# same width; the attributes say what they really are.
+_STORAGE_DTYPE: Mapping[str, str] = {
+    "float64": "float64",
+    "float32": "float32",
+    "float16": "float16",
+    "complex128": "complex128",
+    "complex64": "complex64",
+    "complex32": "uint32",
+    "bool": "bool",
+    "uint8": "uint8",
+    "int8": "int8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "uint16": "uint16",
+    "uint32": "uint32",
+    "uint64": "uint64",
+    "bfloat16": "uint16",
+    "float8_e4m3fn": "uint8",
+    "float8_e5m2": "uint8",
+    "float8_e4m3fnuz": "uint8",
+    "float8_e5m2fnuz": "uint8",
+    "float8_e8m0fnu": "uint8",
+}
+_UNSIGNED_OF_WIDTH = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+def storage_dtype(meta: TensorMeta) -> str:
+    """The Zarr data type a tensor is stored as (``bfloat16`` -> ``uint16``)."""
+    found = _STORAGE_DTYPE.get(meta.dtype) or _UNSIGNED_OF_WIDTH.get(meta.itemsize)
+    if found is None:  # pragma: no cover - every torch dtype lazyckpt accepts has a width above
+        raise ConfigurationError(f"tensor {meta.key!r}: no Zarr data type for {meta.dtype}")
+    return found
+
+
+def _fill_value(data_type: str) -> Any:
+    if data_type == "bool":
+        return False
+    if data_type.startswith("complex"):
+        return [0.0, 0.0]
+    if data_type.startswith("float"):
+        return 0.0
+    return 0
+
+
+def _bytes_codec(data_type: str) -> dict[str, Any]:
+    if np.dtype(data_type).itemsize == 1:
+        return {"name": "bytes"}
+    return {"name": "bytes", "configuration": {"endian": "little"}}
+
+
+def node_name(component: str) -> str:
+    """One component of a state-dict key as a Zarr node name that cannot escape its group.
+
+    Bytes outside ``[A-Za-z0-9._-]`` are percent-encoded (``%`` too, so the mapping is
+    one-to-one), as is a leading ``_`` of a ``__`` prefix (reserved by the Zarr v3 spec);
+    ``.``, ``..`` and the empty name are encoded whole. A name still longer than 200 bytes is
+    cut and suffixed with ``~`` and a hash (``~`` never occurs otherwise).
+    """
+    if component in ("", ".", ".."):
+        return "%2E" * len(component) if component else "%"
+    out = []
+    for i, byte in enumerate(component.encode()):
+        ch = chr(byte)
+        if (ch.isascii() and ch.isalnum()) or ch in "._-":
+            if i == 0 and ch == "_" and component.startswith("__"):
+                out.append("%5F")
+            else:
+                out.append(ch)
+        else:
+            out.append(f"%{byte:02X}")
+    name = "".join(out)
+    if len(name) > _MAX_NAME:
+        digest = hashlib.sha256(component.encode()).hexdigest()[:32]
+        name = f"{name[: _MAX_NAME - 33]}~{digest}"
+    return name
+
+
+def _json(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _group_doc(attributes: dict[str, Any] | None = None) -> bytes:
+    return _json({"zarr_format": 3, "node_type": "group", "attributes": attributes or {}})
+
+
+def _step_prefix(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+# -- the plan of a snapshot: which object holds which shard ------------------------------------
+
+
+@dataclass(frozen=True)
+class _ChunkTarget:
+    """A chunk shard: one chunk object of one tensor's array."""
+
+    key: str
+    chunk_bytes: int  # the stored chunk, padded to the full chunk shape, without the crc
+
+
+@dataclass(frozen=True)
+class _PackTarget:
+    """A pack shard: one shard object of the packed array."""
+
+    key: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class _PackGeometry:
+    """How the packed array cuts its bytes: shard objects of ``shard_bytes``, made of inner
+    chunks of ``chunk_bytes``; ``lengths`` are the real bytes of each pack shard."""
+
+    shard_bytes: int
+    chunk_bytes: int
+    lengths: tuple[int, ...]
+
+    @property
+    def chunks_per_shard(self) -> int:
+        return self.shard_bytes // self.chunk_bytes
+
+
+@dataclass
+class _Plan:
+    """Where each shard and tensor of one snapshot lives in the store."""
+
+    manifest: Manifest
+    prefix: str
+    targets: list[_ChunkTarget | _PackTarget]
+    arrays: dict[str, str]  # tensor key -> array path relative to the snapshot group
+    pack: _PackGeometry | None
+
+
+def _chunk_shape(meta: TensorMeta) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The stored array's shape and chunk shape."""
+    if meta.mode == "rows":
+        return meta.shape, (meta.chunk, *meta.shape[1:])
+    if meta.mode == "flat":
+        if not meta.shape:
+            return (), ()
+        return (meta.numel,), (meta.chunk,)
+    return meta.shape, tuple(max(1, d) for d in meta.shape)  # empty: no chunk is ever written
+
+
+def _chunk_key(meta: TensorMeta, i: int) -> str:
+    if meta.mode == "flat" and not meta.shape:
+        return "c"
+    ndim = len(meta.shape) if meta.mode == "rows" else 1
+    return "/".join(["c", str(i), *(["0"] * (ndim - 1))])
+
+
+def plan_snapshot(manifest: Manifest, pack_chunk_bytes: int) -> _Plan:
+    """Map every tensor and shard of ``manifest`` to Zarr arrays and objects (no I/O)."""
+    prefix = _step_prefix(manifest.step)
+    paths: dict[int, str] = {}
+    targets: list[_ChunkTarget | _PackTarget | None] = [None] * len(manifest.shards)
+    for t, meta in enumerate(manifest.tensors):
+        if meta.mode in ("rows", "flat", "empty"):
+            paths[t] = "tensors/" + "/".join(node_name(c) for c in meta.key.split("/"))
+    for shard in manifest.shards:
+        if shard.kind != "chunk":
+            continue
+        if len(shard.segments) != 1:
+            raise CorruptionError(f"chunk shard {shard.index} holds {len(shard.segments)} pieces")
+        (seg,) = shard.segments
+        meta = manifest.tensors[seg.tensor]
+        if meta.mode not in ("rows", "flat") or shard.index not in meta.shards:
+            raise CorruptionError(f"shard {shard.index} does not belong to {meta.key!r}")
+        if shard.length != manifest.segment_nbytes(seg):
+            raise CorruptionError(
+                f"shard {shard.index} claims {shard.length} bytes but holds "
+                f"{manifest.segment_nbytes(seg)} of {meta.key!r}"
+            )
+        _, chunks = _chunk_shape(meta)
+        i = meta.shards.index(shard.index)
+        targets[shard.index] = _ChunkTarget(
+            f"{prefix}/{paths[seg.tensor]}/{_chunk_key(meta, i)}",
+            math.prod(chunks) * np.dtype(storage_dtype(meta)).itemsize,
+        )
+    packs = [s for s in manifest.shards if s.kind == "pack"]
+    geometry = None
+    if packs:
+        longest = max(s.length for s in packs)
+        chunk = min(pack_chunk_bytes, -(-longest // 4096) * 4096)
+        geometry = _PackGeometry(
+            -(-longest // chunk) * chunk, chunk, tuple(s.length for s in packs)
+        )
+        for slot, shard in enumerate(packs):
+            targets[shard.index] = _PackTarget(f"{prefix}/packed/c/{slot}", slot)
+    placed = [t for t in targets if t is not None]
+    if len(placed) != len(targets):
+        raise CorruptionError(f"step {manifest.step}: a shard belongs to no tensor")
+    return _Plan(
+        manifest=manifest,
+        prefix=prefix,
+        targets=placed,
+        arrays=dict(_aliases(manifest, paths)),
+        pack=geometry,
+    )
+
+
+def _aliases(manifest: Manifest, paths: Mapping[int, str]) -> Iterator[tuple[str, str]]:
+    for t, meta in enumerate(manifest.tensors):
+        source = t if meta.alias_of is None else meta.alias_of
+        if source in paths:
+            yield meta.key, paths[source]
+
+
+def _documents(plan: _Plan) -> dict[str, bytes]:
+    """The metadata objects ``begin()`` writes: arrays, their parent groups, the pack."""
+    m = plan.manifest
+    docs: dict[str, bytes] = {}
+    for t, meta in enumerate(m.tensors):
+        if meta.alias_of is not None or meta.mode not in ("rows", "flat", "empty"):
+            continue
+        path = plan.arrays[meta.key]
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            docs.setdefault(f"{plan.prefix}/{'/'.join(parts[:depth])}/zarr.json", _group_doc())
+        shape, chunks = _chunk_shape(meta)
+        data_type = storage_dtype(meta)
+        attrs = {
+            "lazyckpt": {
+                "format_version": FORMAT_VERSION,
+                "key": meta.key,
+                "dtype": meta.dtype,
+                "shape": list(meta.shape),
+                "layout": meta.mode,
+                "tensor": t,
+            }
+        }
+        docs[f"{plan.prefix}/{path}/zarr.json"] = _json(
+            {
+                "zarr_format": 3,
+                "node_type": "array",
+                "shape": list(shape),
+                "data_type": data_type,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+                "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+                "fill_value": _fill_value(data_type),
+                "codecs": [_bytes_codec(data_type), {"name": "crc32c"}],
+                "attributes": attrs,
+                "storage_transformers": [],
+            }
+        )
+    if plan.pack is not None:
+        docs[f"{plan.prefix}/packed/zarr.json"] = _pack_document(plan)
+    return docs
+
+
+def _pack_document(plan: _Plan) -> bytes:
+    m, geometry = plan.manifest, plan.pack
+    assert geometry is not None
+    slots = {t.slot: t for t in plan.targets if isinstance(t, _PackTarget)}
+    slot_of_shard = {}
+    for shard in m.shards:
+        target = plan.targets[shard.index]
+        if isinstance(target, _PackTarget):
+            slot_of_shard[shard.index] = target.slot
+    index: dict[str, Any] = {}
+    for t, meta in enumerate(m.tensors):
+        source = m.tensors[meta.alias_of] if meta.alias_of is not None else meta
+        if source.mode != "pack":
+            continue
+        slot = slot_of_shard[source.shards[0]]
+        index[meta.key] = {
+            "offset": slot * geometry.shard_bytes + source.offset,
+            "nbytes": source.nbytes,
+            "dtype": source.dtype,
+            "data_type": storage_dtype(source),
+            "shape": list(source.shape),
+            "tensor": t,
+        }
+    inner = [{"name": "bytes"}, {"name": "crc32c"}]
+    return _json(
+        {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": [len(slots) * geometry.shard_bytes],
+            "data_type": "uint8",
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [geometry.shard_bytes]},
+            },
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": 0,
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [geometry.chunk_bytes],
+                        "codecs": inner,
+                        "index_codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "crc32c"},
+                        ],
+                        "index_location": "end",
+                    },
+                }
+            ],
+            "attributes": {
+                "lazyckpt": {
+                    "format_version": FORMAT_VERSION,
+                    "index": index,
+                    "shard_lengths": list(geometry.lengths),
+                }
+            },
+            "storage_transformers": [],
+        }
+    )
+
+
+def _geometry_from_document(raw: bytes, source: str) -> _PackGeometry:
+    try:
+        doc = json.loads(raw)
+        (codec,) = doc["codecs"]
+        shard_bytes = int(doc["chunk_grid"]["configuration"]["chunk_shape"][0])
+        chunk_bytes = int(codec["configuration"]["chunk_shape"][0])
+        lengths = tuple(int(n) for n in doc["attributes"]["lazyckpt"]["shard_lengths"])
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CorruptionError(f"{source} is damaged: {exc!r:.200}") from exc
+    if chunk_bytes <= 0 or shard_bytes % chunk_bytes or any(n > shard_bytes for n in lengths):
+        raise CorruptionError(f"{source} describes an impossible packed array")
+    return _PackGeometry(shard_bytes, chunk_bytes, lengths)
+
+
+# -- encoding chunks and shards -----------------------------------------------------------------
+
+_zeros = bytes(1 << 20)
+
+
+def _zero_bytes(n: int) -> memoryview:
+    global _zeros
+    if n > len(_zeros):
+        _zeros = bytes(max(n, 2 * len(_zeros)))
+    return memoryview(_zeros)[:n]
+
+
+def _chunk_parts(data: memoryview, crc: int | None, chunk_bytes: int) -> list[memoryview]:
+    """A chunk object as pieces: the data, zeros up to the full chunk shape (zarr stores edge
+    chunks whole), and the crc32c of both, little-endian (zarr's crc32c codec)."""
+    if crc is None:
+        crc = crc32c.crc32c(data)
+    parts = [data]
+    pad = chunk_bytes - len(data)
+    if pad:
+        zeros = _zero_bytes(pad)
+        crc = crc32c.crc32c(zeros, value=crc)
+        parts.append(zeros)
+    parts.append(memoryview(struct.pack("<I", crc)))
+    return parts
+
+
+def _join(parts: Iterable[memoryview]) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    chunks = list(parts)
+    out = np.empty(sum(len(p) for p in chunks), dtype=np.uint8)
+    at = 0
+    for p in chunks:
+        out[at : at + len(p)] = np.frombuffer(p, dtype=np.uint8)
+        at += len(p)
+    return out
+
+
+def _encoded_chunk(
+    data: memoryview, crc: int | None, chunk_bytes: int
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A chunk object in one buffer (for stores that take one)."""
+    return _join(_chunk_parts(data, crc, chunk_bytes))
+
+
+def _encode_pack_shard(data: memoryview, geometry: _PackGeometry) -> np.ndarray[Any, Any]:
+    """A pack shard as a zarr ``sharding_indexed`` object: inner chunks (data + crc32c), then
+    the index of (offset, nbytes) pairs and its crc32c. Chunks past the data are left out."""
+    c = geometry.chunk_bytes
+    n = geometry.chunks_per_shard
+    written = -(-len(data) // c)
+    out = np.zeros(written * (c + 4) + n * 16 + 4, dtype=np.uint8)
+    index = np.full(2 * n, _NO_CHUNK, dtype="<u8")
+    src = np.frombuffer(data, dtype=np.uint8)
+    for k in range(written):
+        at = k * (c + 4)
+        piece = src[k * c : (k + 1) * c]
+        out[at : at + len(piece)] = piece
+        crc = crc32c.crc32c(out[at : at + c].data)
+        out[at + c : at + c + 4] = np.frombuffer(struct.pack("<I", crc), dtype=np.uint8)
+        index[2 * k : 2 * k + 2] = (at, c + 4)
+    raw_index = index.tobytes()
+    tail = written * (c + 4)
+    out[tail : tail + n * 16] = np.frombuffer(raw_index, dtype=np.uint8)
+    out[tail + n * 16 :] = np.frombuffer(struct.pack("<I", crc32c.crc32c(raw_index)), np.uint8)
+    return out
+
+
+def _decode_pack_shard(blob: memoryview, out: memoryview, geometry: _PackGeometry) -> None:
+    """Fill ``out`` from a stored pack shard; :class:`CorruptionError` on any inconsistency."""
+    c, n = geometry.chunk_bytes, geometry.chunks_per_shard
+    tail = len(blob) - (n * 16 + 4)
+    if tail < 0:
+        raise CorruptionError("shard object is shorter than its index")
+    raw_index = blob[tail : tail + n * 16]
+    (stored,) = struct.unpack("<I", blob[tail + n * 16 :])
+    if crc32c.crc32c(raw_index) != stored:
+        raise CorruptionError("shard index fails its checksum")
+    index = np.frombuffer(raw_index, dtype="<u8").reshape(n, 2)
+    dst = np.frombuffer(out, dtype=np.uint8)
+    src = np.frombuffer(blob, dtype=np.uint8)
+    for k in range(-(-len(out) // c)):
+        offset, nbytes = (int(v) for v in index[k])
+        lo, hi = k * c, min((k + 1) * c, len(out))
+        if offset == _NO_CHUNK:
+            raise CorruptionError(f"inner chunk {k} of the shard was never written")
+        if nbytes != c + 4 or offset + nbytes > tail:
+            raise CorruptionError(f"inner chunk {k} lies outside the shard object")
+        dst[lo:hi] = src[offset : offset + hi - lo]
+
+
+# -- S3 configuration ---------------------------------------------------------------------------
+
+
+def _env_flag(value: str | None) -> bool | None:
+    if value is None or value == "":
+        return None
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class _S3Settings:
+    bucket: str
+    prefix: str
+    endpoint: str | None
+    region: str | None
+    allow_http: bool
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.secret_access_key, self.session_token) if s)
+
+    @property
+    def public_endpoint(self) -> str | None:
+        """The endpoint without any user:password part."""
+        if self.endpoint is None:
+            return None
+        parts = urlsplit(self.endpoint)
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _s3_settings(url: str, overrides: Mapping[str, Any]) -> _S3Settings:
+    parts = urlsplit(url)
+    if not parts.netloc or parts.query or parts.fragment:
+        raise ConfigurationError("an S3 location looks like 's3://bucket/prefix'")
+    env = os.environ
+
+    def pick(name: str, *variables: str) -> Any:
+        if overrides.get(name) is not None:
+            return overrides[name]
+        for var in variables:
+            if env.get(var):
+                return env[var]
+        return None
+
+    endpoint = pick("endpoint_url", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    allow_http = overrides.get("allow_http")
+    if allow_http is None:
+        allow_http = bool(_env_flag(env.get("AWS_ALLOW_HTTP")))
+    if endpoint is not None and urlsplit(endpoint).scheme == "http" and not allow_http:
+        raise ConfigurationError(
+            "the S3 endpoint uses plain HTTP; pass allow_http=True (or set AWS_ALLOW_HTTP=true) "
+            "if that is intended"
+        )
+    return _S3Settings(
+        bucket=parts.netloc,
+        prefix=parts.path.strip("/"),
+        endpoint=endpoint,
+        region=pick("region", "AWS_REGION", "AWS_DEFAULT_REGION"),
+        allow_http=bool(allow_http),
+        access_key_id=pick("access_key_id", "AWS_ACCESS_KEY_ID"),
+        secret_access_key=pick("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+        session_token=pick("session_token", "AWS_SESSION_TOKEN"),
+    )
+
+
+def _s3_store(
+    s: _S3Settings,
+    *,
+    retries: int,
+    retry_timeout: float,
+    connect_timeout: float,
+    request_timeout: float,
+) -> Store:
+    from obstore.store import S3Store
+    from zarr.storage import ObjectStore
+
+    config: dict[str, Any] = {}
+    for key, value in (
+        ("endpoint", s.endpoint),
+        ("region", s.region),
+        ("access_key_id", s.access_key_id),
+        ("secret_access_key", s.secret_access_key),
+        ("session_token", s.session_token),
+    ):
+        if value is not None:
+            config[key] = value
+    if s.endpoint is not None:
+        config["virtual_hosted_style_request"] = False  # path style: what S3 clones serve
+    try:
+        backend = S3Store(
+            s.bucket,
+            prefix=s.prefix or None,
+            config=config,  # type: ignore[arg-type]
+            client_options={
+                "allow_http": s.allow_http,
+                "connect_timeout": timedelta(seconds=connect_timeout),
+                "timeout": timedelta(seconds=request_timeout),
+            },
+            retry_config={
+                "max_retries": retries,
+                "retry_timeout": timedelta(seconds=retry_timeout),
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=100),
+                    "max_backoff": timedelta(seconds=10),
+                    "base": 2,
+                },
+            },
+        )
+    except Exception as exc:
+        raise ConfigurationError(f"bad S3 configuration for bucket {s.bucket!r}: {exc}") from None
+    return ObjectStore(backend)
+
+
+# -- the tier -----------------------------------------------------------------------------------
+
+
+class ZarrTier(Tier):
+    """Snapshots as Zarr v3 groups on a parallel file system path or on S3.
+
+    Each committed snapshot is a group that plain ``zarr`` opens and reads tensors from by
+    their state-dict key (``docs/zarr.md``); small tensors are packed into one sharded
+    array, so a checkpoint of thousands of tensors is a handful of objects.
+
+    Args:
+        location: a directory (local or Lustre; every write is fsynced), ``s3://bucket/prefix``,
+            or any Zarr v3 ``Store`` object (used as given).
+        name: the tier's name (default ``"zarr"``).
+        concurrency: most requests this tier has in flight at once (metadata writes,
+            deletes, reads).
+        io_threads: threads doing file I/O (paths) and copies (all locations).
+        pack_chunk_bytes: inner chunk size of the packed array: the unit a plain zarr reader
+            fetches to read one small tensor.
+        endpoint_url, region, access_key_id, secret_access_key, session_token, allow_http: S3
+            settings; each defaults to its standard environment variable
+            (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``,
+            ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ALLOW_HTTP``). Credentials
+            never appear in manifests, errors or logs.
+        retries: S3 retries of a failed request (5xx, dropped connections, timeouts), with
+            exponential backoff and jitter.
+        retry_timeout: seconds after which a failing S3 request is not retried any more.
+        connect_timeout, request_timeout: S3 connection and whole-request limits, seconds.
+        keep_last, keep_every: retention (see :class:`lazyckpt.Retention`).
+    """
+
+    level = TierLevel.PFS
+    default_name = "zarr"
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str] | Store,
+        *,
+        name: str | None = None,
+        concurrency: int = 32,
+        io_threads: int = 4,
+        pack_chunk_bytes: int = 64 << 10,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        allow_http: bool | None = None,
+        retries: int = 5,
+        retry_timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        request_timeout: float = 120.0,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+    ) -> None:
+        super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
+        if sys.byteorder != "little":  # pragma: no cover - no big-endian test machine
+            raise ConfigurationError("ZarrTier writes raw little-endian chunks; this host is not")
+        if concurrency < 1 or io_threads < 1:
+            raise ConfigurationError("concurrency and io_threads must be at least 1")
+        if pack_chunk_bytes < 4096 or pack_chunk_bytes % 4096:
+            raise ConfigurationError("pack_chunk_bytes must be a positive multiple of 4096")
+        if (
+            retries < 0
+            or not retry_timeout > 0
+            or not connect_timeout > 0
+            or not request_timeout > 0
+        ):
+            raise ConfigurationError("retries must be >= 0 and the timeouts positive")
+        self.concurrency = concurrency
+        self.pack_chunk_bytes = pack_chunk_bytes
+        self._io_threads = io_threads
+        self._s3: _S3Settings | None = None
+        s3_options = {
+            "endpoint_url": endpoint_url,
+            "region": region,
+            "access_key_id": access_key_id,
+            "secret_access_key": secret_access_key,
+            "session_token": session_token,
+            "allow_http": allow_http,
+        }
+        if isinstance(location, Store):
+            self.location = f"<{type(location).__name__}>"
+            self._store: Store = location
+        elif isinstance(location, str) and location.startswith("s3://"):
+            self._s3 = _s3_settings(location, s3_options)
+            self.location = f"s3://{self._s3.bucket}/{self._s3.prefix}".rstrip("/")
+            self._store = _s3_store(
+                self._s3,
+                retries=retries,
+                retry_timeout=retry_timeout,
+                connect_timeout=connect_timeout,
+                request_timeout=request_timeout,
+            )
+        elif isinstance(location, str | os.PathLike) and str(location):
+            path = str(location)
+            if path.startswith("file://"):
+                path = path[len("file://") :]
+            elif "://" in path:
+                raise ConfigurationError(
+                    f"ZarrTier takes a path or an s3:// URL, got {path.split('://')[0]}://"
+                )
+            self.location = str(Path(path))
+            self._store = DurableLocalStore(path, io_threads=io_threads)
+        else:
+            raise ConfigurationError(
+                f"ZarrTier takes a path, an s3:// URL or a zarr Store, got {location!r}"
+            )
+        if self._s3 is None and any(v is not None for v in s3_options.values()):
+            raise ConfigurationError("S3 settings were given for a location that is not s3://")
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._plans: dict[int, _Plan] = {}
+        self._begun: set[int] = set()
+        self._geometry: dict[int, _PackGeometry] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._requests = asyncio.Semaphore(concurrency)
+        self._index_lock = asyncio.Lock()
+        self._closed = False
+
+    def describe(self) -> dict[str, Any]:
+        info = {**super().describe(), "location": self.location, "format": "zarr-v3"}
+        if self._s3 is not None and self._s3.public_endpoint is not None:
+            info["endpoint"] = self._s3.public_endpoint
+        return info
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _sync_primitives(self) -> None:
+        # asyncio primitives belong to one loop; a tier reused from another loop (tests, a
+        # second Checkpointer) gets fresh ones.
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop = loop
+            self._requests = asyncio.Semaphore(self.concurrency)
+            self._index_lock = asyncio.Lock()
+
+    @contextlib.contextmanager
+    def _backend(self, what: str) -> Iterator[None]:
+        """Run a tier operation: refuse when closed, translate backend errors once."""
+        if self._closed:
+            raise TierClosedError("closed", tier=self.name)
+        self._sync_primitives()
+        try:
+            yield
+        except LazyCkptError:
+            raise
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFullError(f"{what}: out of space", tier=self.name) from exc
+            raise TierBrokenError(f"{what}: {self._summary(exc)}", tier=self.name) from exc
+        except Exception as exc:
+            raise TierBrokenError(f"{what}: {self._summary(exc)}", tier=self.name) from exc
+
+    def _summary(self, exc: BaseException) -> str:
+        """The first line of a backend error, without anything secret."""
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        for secret in self._s3.secrets if self._s3 is not None else ():
+            text = text.replace(secret, "***")
+        return f"{type(exc).__name__}: {text}"
+
+    async def _request(self, aw: Awaitable[T]) -> T:
+        async with self._requests:
+            return await aw
+
+    async def _all(self, aws: Iterable[Awaitable[Any]]) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for aw in aws:
+                tg.create_task(self._request(aw))
+
+    async def _cpu(self, fn: Any, *args: Any) -> Any:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self._io_threads, thread_name_prefix=f"lazyckpt-{self.name}"
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    async def _get(self, key: str) -> Buffer | None:
+        return await self._request(self._store.get(key, default_buffer_prototype()))
+
+    async def _put(self, key: str, data: bytes) -> None:
+        await self._request(self._store.set(key, CpuBuffer.from_bytes(data)))
+
+    def _plan(self, manifest: Manifest) -> _Plan:
+        plan = self._plans.get(manifest.step)
+        if plan is None or plan.manifest is not manifest:
+            plan = plan_snapshot(manifest, self.pack_chunk_bytes)
+            self._plans[manifest.step] = plan
+            while len(self._plans) > 8:  # readers of old steps just plan again
+                del self._plans[next(iter(self._plans))]
+        return plan
+
+    # -- the commit index ------------------------------------------------------------------
+
+    async def _read_root(self) -> dict[str, Any] | None:
+        raw = await self._get("zarr.json")
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw.to_bytes())
+            if doc.get("node_type") != "group":
+                raise ValueError("not a group")
+        except (ValueError, AttributeError) as exc:
+            raise CorruptionError(f"{self.location}/zarr.json is not a Zarr group: {exc}") from exc
+        if not isinstance(doc.get("attributes", {}).get("lazyckpt"), dict):
+            raise ConfigurationError(
+                f"{self.location} holds a Zarr group that lazyckpt did not write; give "
+                "ZarrTier an empty location"
+            )
+        return doc  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _committed(root: dict[str, Any] | None) -> list[int]:
+        if root is None:
+            return []
+        steps = root["attributes"]["lazyckpt"].get("committed", [])
+        if not isinstance(steps, list) or any(type(s) is not int or s < 0 for s in steps):
+            raise CorruptionError("the commit index in the root zarr.json is damaged")
+        return sorted(steps)
+
+    async def _update_index(self, add: int | None = None, remove: int | None = None) -> None:
+        async with self._index_lock:
+            root = await self._read_root()
+            if root is None:
+                root = json.loads(_group_doc({"lazyckpt": {}}))
+            assert root is not None
+            steps = set(self._committed(root))
+            if add is not None:
+                steps.add(add)
+            if remove is not None:
+                steps.discard(remove)
+            lazy = root["attributes"]["lazyckpt"]
+            lazy["format_version"] = max(int(lazy.get("format_version", 0)), FORMAT_VERSION)
+            lazy["committed"] = sorted(steps)
+            # The commit point: one atomic object write (an S3 PUT, a rename on a path).
+            await self._put("zarr.json", _json(root))
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        with self._backend("open"):
+            root = await self._read_root()
+            if root is None:
+                await self._put(
+                    "zarr.json",
+                    _group_doc({"lazyckpt": {"format_version": FORMAT_VERSION, "committed": []}}),
+                )
+            version = int(root["attributes"]["lazyckpt"].get("format_version", 1)) if root else 1
+            if version > FORMAT_VERSION:
+                raise ConfigurationError(
+                    f"{self.location} was written by a newer lazyckpt (format {version}); upgrade"
+                )
+            committed = set(self._committed(root))
+            leftovers = []
+            async for name in self._store.list_dir(""):
+                m = _STEP_GROUP.match(name.rstrip("/"))
+                if m and int(m.group(1)) not in committed:
+                    leftovers.append(m.group(0))
+            # what a crash left: snapshots that never reached the index
+            await self._all(self._store.delete_dir(p) for p in leftovers)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._plans.clear()
+        if isinstance(self._store, DurableLocalStore):
+            self._store.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    async def begin(self, manifest: Manifest) -> None:
+        with self._backend("begin"):
+            if manifest.world_size != 1:
+                raise ConfigurationError(
+                    "ZarrTier keeps one rank per location; give each rank its own prefix "
+                    f"(rank {manifest.rank} of {manifest.world_size})"
+                )
+            if manifest.step in self._committed(await self._read_root()):
+                raise TierBrokenError(
+                    f"step {manifest.step} is already committed; delete it first", tier=self.name
+                )
+            plan = self._plan(manifest)
+            self._geometry.pop(manifest.step, None)
+            await self._store.delete_dir(plan.prefix)  # leftovers of an earlier attempt
+            await self._all(self._put(k, v) for k, v in _documents(plan).items())
+            self._begun.add(manifest.step)
+
+    async def put_shard(self, manifest: Manifest, shard: ShardMeta, data: memoryview) -> None:
+        with self._backend(f"put shard {shard.index}"):
+            if len(data) != shard.length:
+                raise ConfigurationError(
+                    f"shard {shard.index}: {len(data)} bytes, not {shard.length}"
+                )
+            plan = self._plan(manifest)
+            target = plan.targets[shard.index]
+            if isinstance(target, _ChunkTarget):
+                if isinstance(self._store, DurableLocalStore):  # zero copy: written in pieces
+                    parts = await self._cpu(_chunk_parts, data, shard.crc32c, target.chunk_bytes)
+                    await self._request(self._store.write_parts(target.key, parts))
+                    return
+                encoded = await self._cpu(_encoded_chunk, data, shard.crc32c, target.chunk_bytes)
+            else:
+                assert plan.pack is not None
+                encoded = await self._cpu(_encode_pack_shard, data, plan.pack)
+            await self._request(self._store.set(target.key, CpuBuffer.from_array_like(encoded)))
+
+    async def commit(self, manifest: Manifest) -> None:
+        with self._backend("commit"):
+            plan = self._plan(manifest)
+            if manifest.step not in self._begun:  # committed without begin(): metadata owed
+                await self._all(self._put(k, v) for k, v in _documents(plan).items())
+            attributes = {
+                "lazyckpt": {
+                    "format_version": FORMAT_VERSION,
+                    "step": manifest.step,
+                    "rank": manifest.rank,
+                    "world_size": manifest.world_size,
+                    "arrays": plan.arrays,
+                    "packed": "packed" if plan.pack is not None else None,
+                    "manifest": json.loads(manifest.to_json()),
+                }
+            }
+            await self._put(f"{plan.prefix}/zarr.json", _group_doc(attributes))
+            await self._update_index(add=manifest.step)
+            self._begun.discard(manifest.step)
+            if plan.pack is not None:
+                self._geometry[manifest.step] = plan.pack
+
+    async def abort(self, step: int) -> None:
+        with self._backend("abort"):
+            self._plans.pop(step, None)
+            self._begun.discard(step)
+            if step not in self._committed(await self._read_root()):
+                await self._store.delete_dir(_step_prefix(step))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def steps(self) -> list[int]:
+        with self._backend("list"):
+            return self._committed(await self._read_root())
+
+    async def read_manifest(self, step: int) -> Manifest:
+        with self._backend("read manifest"):
+            if step not in self._committed(await self._read_root()):
+                raise SnapshotNotFoundError(f"step {step} is not committed on {self.name!r}")
+            source = f"{self.name}:{self.location}/{_step_prefix(step)}/zarr.json"
+            raw = await self._get(f"{_step_prefix(step)}/zarr.json")
+            if raw is None:
+                raise CorruptionError(f"{source} is missing")
+            try:
+                doc = json.loads(raw.to_bytes())["attributes"]["lazyckpt"]["manifest"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptionError(f"{source} is damaged: {exc!r:.200}") from exc
+            manifest = Manifest.from_json(json.dumps(doc), source=source)
+            if manifest.step != step:
+                raise CorruptionError(f"{source} holds step {manifest.step}, not {step}")
+            return manifest
+
+    async def _pack_geometry(self, step: int) -> _PackGeometry:
+        # Read from the store, never derived from this tier's options: the writer may have
+        # used another pack_chunk_bytes.
+        geometry = self._geometry.get(step)
+        if geometry is None:
+            key = f"{_step_prefix(step)}/packed/zarr.json"
+            raw = await self._get(key)
+            if raw is None:
+                raise CorruptionError(f"{self.location}/{key} is missing")
+            geometry = _geometry_from_document(raw.to_bytes(), f"{self.location}/{key}")
+            self._geometry[step] = geometry
+        return geometry
+
+    async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+        with self._backend(f"read shard {shard.index}"):
+            if len(out) != shard.length:
+                raise ConfigurationError(f"shard {shard.index}: out has {len(out)} bytes")
+            target = self._plan(manifest).targets[shard.index]
+            where = f"{self.name}:{self.location}/{target.key}"
+            if isinstance(target, _PackTarget):
+                geometry = await self._pack_geometry(manifest.step)
+                if target.slot >= len(geometry.lengths) or (
+                    geometry.lengths[target.slot] != shard.length
+                ):
+                    raise CorruptionError(f"{where} does not hold {shard.length} bytes")
+                raw = await self._get(target.key)
+                if raw is None:
+                    raise CorruptionError(f"{where} is missing")
+                blob = memoryview(raw.as_buffer_like()).cast("B")
+                try:
+                    await self._cpu(_decode_pack_shard, blob, out, geometry)
+                except CorruptionError as exc:
+                    raise CorruptionError(f"{where}: {exc}") from None
+                return
+            expected = target.chunk_bytes + 4
+            if isinstance(self._store, DurableLocalStore):
+                try:
+                    size = await self._request(self._store.read_into(target.key, out))
+                except FileNotFoundError:
+                    raise CorruptionError(f"{where} is missing") from None
+            else:
+                raw = await self._get(target.key)
+                if raw is None:
+                    raise CorruptionError(f"{where} is missing")
+                stored = memoryview(raw.as_buffer_like()).cast("B")
+                size = len(stored)
+                if size == expected:
+                    await self._cpu(out.__setitem__, slice(None), stored[: shard.length])
+            if size != expected:
+                raise CorruptionError(f"{where} holds {size} bytes, not {expected}")
+
+    async def delete(self, step: int) -> None:
+        with self._backend(f"delete step {step}"):
+            await self._update_index(remove=step)  # un-commit first
+            self._geometry.pop(step, None)
+            self._plans.pop(step, None)
+            await self._store.delete_dir(_step_prefix(step))
