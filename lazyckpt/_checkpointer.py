@@ -21,7 +21,7 @@ from ._errors import (
 )
 from ._manifest import LayoutOptions, plan_layout
 from ._restore import read_manifest, restore_state
-from ._tier import Tier
+from ._tier import SupportsStaging, Tier
 from ._tree import walk_state
 
 __all__ = [
@@ -138,7 +138,7 @@ class _Core:
         self,
         tiers: Sequence[Tier],
         *,
-        shard_size: int,
+        shard_size: int | None,
         pack_bytes: int | None,
         allow_pickle: bool,
         capture_threads: int,
@@ -150,6 +150,11 @@ class _Core:
     ) -> None:
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence):
             raise ConfigurationError("tiers must be a list of Tier objects, fastest first")
+        if shard_size is None:
+            # 16 MiB, or small enough that the arena holds at least four shards at once
+            first = tiers[0] if tiers else None
+            arena = first.arena.capacity if isinstance(first, SupportsStaging) else staging_bytes
+            shard_size = max(4096, min(16 << 20, arena // 4 // 4096 * 4096))
         options = EngineOptions(
             layout=LayoutOptions(
                 shard_size=shard_size,
@@ -303,7 +308,7 @@ def _tags(tree: Any) -> set[str]:
 
 
 _DEFAULTS: dict[str, Any] = {
-    "shard_size": 16 << 20,
+    "shard_size": None,
     "pack_bytes": None,
     "allow_pickle": False,
     "capture_threads": 1,
@@ -327,7 +332,8 @@ class Checkpointer:
         tiers: the chain, fastest first: usually ``HostMemoryTier`` then ``FileTier`` and/or
             ``ZarrTier``. Without a host tier first, captures stage through a private arena
             of ``staging_bytes``.
-        shard_size: the unit of copying and writing, in bytes (multiple of 4096).
+        shard_size: the unit of copying and writing, in bytes (multiple of 4096). Default:
+            16 MiB, or a quarter of the host arena if that is smaller.
         pack_bytes: tensors up to this size are packed together into shared shards
             (default: 1 MiB or a quarter of ``shard_size``, whichever is smaller).
         allow_pickle: store (and restore) values that are not plain data with pickle. Off by
