@@ -356,6 +356,7 @@ def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str
     """Rows as aligned columns; a row of two cells is a name and a free-form note."""
     full = [row for row in rows if len(row) == len(rows[0])]
     widths = [max(len(row[c]) for row in full) for c in range(len(rows[0]))]
+    widths[0] = max(len(row[0]) for row in rows)
     lines = []
     for row in rows:
         if len(row) != len(rows[0]):
@@ -448,17 +449,22 @@ class _Node:
     value: str | None = None
 
 
-def _value_text(node: JSON) -> str:
+def _value_text(node: JSON, limit: int | None = 60) -> str:
     try:
         value = decode_tree(node, [], allow_pickle=False)
     except LazyCkptError:
         return "<pickled value>" if isinstance(node, dict) and "$pickle" in node else "<?>"
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _build_nodes(node: JSON, name: str) -> _Node:
-    """The tagged-JSON tree as named nodes, in the order the state was written."""
+    """The tagged-JSON tree as named nodes, in the order the state was written. A container
+    of plain values short enough to read on one line (``betas = (0.9, 0.999)``) is a leaf."""
+    if isinstance(node, list | dict) and not _has_tag(node, "$tensor"):
+        text = _value_text(node, limit=None)
+        if len(text) <= 60:
+            return _Node(name, value=text)
     if isinstance(node, list):
         return _Node(name, [_build_nodes(v, str(i)) for i, v in enumerate(node)])
     if isinstance(node, dict) and len(node) == 1:
