@@ -3,7 +3,7 @@
 Every subcommand takes a *location*: a directory (a :class:`~tiers.FileTier` root), or a URL.
 ``s3://bucket/prefix`` and ``zarr+file:///path`` (any ``zarr+...`` URL) open a Zarr tier;
 ``file:///path`` is a directory; ``KIND+...://`` opens the tier registered as ``KIND`` under
-the ``lazyckpt.tiers`` entry-point group, with the whole URL as its argument. A local
+the ``lazyckpt.tiers`` entry-point group, with the URL after ``KIND+`` as its argument. A local
 directory that holds a ``zarr.json`` is opened as a Zarr tier.
 
 Commands that only read (``ls``, ``inspect``, ``verify``, ``export``) and ``gc`` never call
@@ -121,7 +121,8 @@ def resolve_location(spec: str) -> tuple[str, str]:
     if scheme == "file":
         return "file", rest
     if "+" in scheme:
-        return scheme.split("+", 1)[0], spec
+        kind, inner = scheme.split("+", 1)
+        return kind, f"{inner}://{rest}"
     if scheme in _OBJECT_STORE_SCHEMES:
         return "zarr", spec
     if scheme in available_tiers():

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from conftest_s3 import S3Location, s3, s3_server
 
 from lazyckpt import Manifest, ShardMeta, SyncCheckpointer
 from lazyckpt._progress import Progress, format_bytes, format_duration
@@ -32,6 +33,8 @@ from lazyckpt.cli import (
 )
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, HostMemoryTier
+
+__all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 
 SMALL = {"shard_size": 64 << 10, "pack_bytes": 4 << 10}
 STEPS = (0, 5, 10)
@@ -758,3 +761,94 @@ def test_sizes_and_durations_for_people() -> None:
         "3.0 TiB",
     ]
     assert [format_duration(s) for s in (0, 59.4, 61, 3725)] == ["0:00", "0:59", "1:01", "1:02:05"]
+
+
+# -- S3 (moto on 127.0.0.1) and Zarr -------------------------------------------------------------
+
+
+@pytest.fixture
+def s3_env(s3: S3Location, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The S3 URL of a fresh prefix, with the test server configured the way a user would:
+    through the standard AWS environment variables."""
+    options = s3.server.tier_options()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_REGION", options["region"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    return s3.url
+
+
+@pytest.mark.s3
+def test_every_subcommand_on_s3(
+    snapshots: Any, run: Run, tmp_path: Path, s3: S3Location, s3_env: str
+) -> None:
+    root, states = snapshots
+    url = s3_env
+    assert run("copy", root, url, "-q")[0] == EXIT_OK  # promote to S3, read back and checked
+
+    code, out, _ = run("ls", url, root, "--json")
+    assert code == EXIT_OK
+    entries = json.loads(out)
+    assert [e["step"] for e in entries] == list(STEPS)
+    assert entries[0]["tiers"] == ["zarr", "file"]
+
+    code, out, _ = run("inspect", url, "--step", "5")
+    assert code == EXIT_OK
+    assert "model/" in out.splitlines()
+
+    assert run("verify", url, "--all", "-q")[0] == EXIT_OK
+
+    file = tmp_path / "from-s3.safetensors"
+    assert run("export", url, "--step", "5", "--to", file, "-q")[0] == EXIT_OK
+    loaded = safetensors.torch.load_file(file)
+    for key, tensor in flat_tensors(states[5]).items():
+        assert same_bits(loaded[key], tensor), key
+
+    assert run("import", file, "--to", url, "--step", "99", "-q")[0] == EXIT_OK
+    back = tmp_path / "back"
+    assert run("copy", url, back, "--step", "99", "-q")[0] == EXIT_OK
+    assert_same_state(restore(back, 99), states[5])
+
+    code, out, _ = run("gc", url, "--keep-last", "2")
+    assert code == EXIT_OK
+    assert out.splitlines() == ["deleted step 0", "deleted step 5"]
+    code, out, _ = run("ls", url, "--json")
+    assert [e["step"] for e in json.loads(out)] == [10, 99]
+
+
+@pytest.mark.s3
+def test_verify_names_a_damaged_object_on_s3(
+    snapshots: Any, run: Run, s3: S3Location, s3_env: str
+) -> None:
+    root, _ = snapshots
+    assert run("copy", root, s3_env, "--step", "10", "-q")[0] == EXIT_OK
+    client = s3.server.client()
+    key = next(k for k in sorted(s3.keys()) if "/tensors/wide/c/" in k)
+    body = bytearray(client.get_object(Bucket=s3.server.bucket, Key=key)["Body"].read())
+    body[20] ^= 0x01
+    client.put_object(Bucket=s3.server.bucket, Key=key, Body=bytes(body))
+
+    code, out, _ = run("verify", s3_env, "--json")
+    assert code == EXIT_DAMAGE
+    (damaged,) = json.loads(out)["steps"][0]["damaged"]
+    assert damaged["keys"] == ["wide"]
+
+
+def test_zarr_directory_is_recognised_and_verified(
+    snapshots: Any, run: Run, tmp_path: Path
+) -> None:
+    root, states = snapshots
+    zdir = tmp_path / "z"
+    assert run("copy", root, f"zarr+file://{zdir}", "--step", "5", "-q")[0] == EXIT_OK
+    assert (zdir / "zarr.json").is_file()
+    code, out, _ = run("ls", zdir, "--json")  # a plain path to a Zarr root
+    assert code == EXIT_OK
+    assert json.loads(out)[0]["tiers"] == ["zarr"]
+    assert run("verify", zdir, "-q")[0] == EXIT_OK
+    chunk = next(zdir.glob("step-*/tensors/wide/c/0*"))
+    chunk = next(chunk.rglob("*")) if chunk.is_dir() else chunk
+    flip_byte(chunk, 8)
+    code, out, _ = run("verify", zdir)
+    assert code == EXIT_DAMAGE
+    assert "wide elements" in out
