@@ -207,8 +207,9 @@ def test_locations_resolve_to_tier_kinds(tmp_path: Path) -> None:
     assert resolve_location(str(tmp_path)) == ("file", str(tmp_path))
     assert resolve_location("file:///data/run1") == ("file", "/data/run1")
     assert resolve_location("s3://bucket/run1") == ("zarr", "s3://bucket/run1")
-    assert resolve_location("zarr+file:///data/z") == ("zarr", "zarr+file:///data/z")
-    assert resolve_location("mytier+rest://x/y") == ("mytier", "mytier+rest://x/y")
+    assert resolve_location("zarr+file:///data/z") == ("zarr", "file:///data/z")
+    assert resolve_location("zarr+s3://bucket/z") == ("zarr", "s3://bucket/z")
+    assert resolve_location("mytier+rest://x/y") == ("mytier", "rest://x/y")
     with pytest.raises(CommandError) as info:
         resolve_location("ftp://host/x")
     assert info.value.code == EXIT_USAGE
@@ -838,7 +839,7 @@ def test_verify_names_a_damaged_object_on_s3(
 def test_zarr_directory_is_recognised_and_verified(
     snapshots: Any, run: Run, tmp_path: Path
 ) -> None:
-    root, states = snapshots
+    root, _ = snapshots
     zdir = tmp_path / "z"
     assert run("copy", root, f"zarr+file://{zdir}", "--step", "5", "-q")[0] == EXIT_OK
     assert (zdir / "zarr.json").is_file()
