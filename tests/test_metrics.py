@@ -106,8 +106,10 @@ def test_a_real_checkpointer_in_prometheus_text(tmp_path: Path) -> None:
         assert sample(registry, "lazyckpt_tier_bytes_total", tier="file") == 0
         for step in (1, 2):
             ckpt.snapshot({"w": torch.randn(100, 100)}, step=step).wait()
-        written = ckpt.metrics()["tiers"]["file"]["bytes"]
-        text = prometheus_client.generate_latest(registry).decode()
+    # Read after close: only then has every snapshot finished its bookkeeping (its timings
+    # join the history just after its last stage resolves).
+    written = ckpt.metrics()["tiers"]["file"]["bytes"]
+    text = prometheus_client.generate_latest(registry).decode()
     assert written >= 2 * 100 * 100 * 4
     assert f'lazyckpt_tier_bytes_total{{tier="file"}} {float(written)}' in text
     assert "lazyckpt_last_snapshot_step 2.0" in text
