@@ -12,15 +12,16 @@ training job may be writing a snapshot into the same directory right now.
 
 Exit status (``docs/cli.md`` has the full table):
 
-==  =====================================================================================
-0   success
-1   damage found (a checksum mismatch, missing or truncated data, an unreadable manifest),
-    or the operation failed
-2   usage error: bad arguments or options, or an unsupported request
-3   not found: no such location, snapshot, step, key or input file
-4   storage error: a tier could not be read or written (unreachable, permissions, full)
-130 interrupted
-==  =====================================================================================
+===  ====================================================================================
+0    success
+1    damage found (a checksum mismatch, missing or truncated data, an unreadable manifest),
+     or the operation failed
+2    usage error: bad arguments or options, or an unsupported request
+3    not found: no such location, snapshot, step, key or input file
+4    storage error: a tier could not be read or written (unreachable, permissions, full)
+130  interrupted
+141  stdout was closed before the output was written (``| head``)
+===  ====================================================================================
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from ._tier import Retention, Tier, available_tiers, load_tier
 from ._tree import JSON, StatefulValue, TensorRef, decode_tree, dtype_from_name, walk_state
 
 __all__ = [
+    "EXIT_BROKEN_PIPE",
     "EXIT_DAMAGE",
     "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
@@ -78,6 +80,7 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_STORAGE = 4
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
 # URL schemes that mean an object store, which lazyckpt reaches through its Zarr tier.
 _OBJECT_STORE_SCHEMES = frozenset({"s3", "gs", "gcs", "az", "abfs", "http", "https", "memory"})
@@ -1372,7 +1375,7 @@ Handler = Callable[[argparse.Namespace, Console], Coroutine[Any, Any, int]]
 
 _EPILOG = """\
 exit status: 0 ok; 1 damage found or the operation failed; 2 usage error; 3 not found;
-4 storage error (a tier could not be read or written); 130 interrupted.
+4 storage error (a tier could not be read or written); 130 interrupted; 141 output closed.
 
 A LOCATION is a directory (file tier), s3://bucket/prefix or zarr+file:///path (Zarr tier),
 or KIND+...:// for a tier registered as KIND."""
@@ -1585,6 +1588,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         ui.note(f"{prog}: interrupted")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (``| head``). Point stdout at /dev/null so that the flush at
+        # exit does not fail a second time, and stop as a killed-by-SIGPIPE program would.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except CommandError as exc:
         ui.note(f"{prog}: {exc}")
         return exc.code
