@@ -39,7 +39,7 @@ import struct
 import sys
 import zipfile
 import zlib
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -83,7 +83,7 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 
 # URL schemes that mean an object store, which lazyckpt reaches through its Zarr tier.
-_OBJECT_STORE_SCHEMES = frozenset({"s3", "gs", "gcs", "az", "abfs", "http", "https", "memory"})
+_OBJECT_STORE_SCHEMES = frozenset({"s3"})
 
 
 class CommandError(Exception):
@@ -143,7 +143,8 @@ async def open_location(spec: str, *, create: bool = False) -> Location:
     Raises:
         CommandError: no such directory (exit 3), or no tier for it (exit 2).
     """
-    kind, arg = resolve_location(spec)
+    # Resolving looks at the file system (a Zarr root?) and loads the tier plugins.
+    kind, arg = await asyncio.to_thread(resolve_location, spec)
     if kind == "zarr" and "zarr" not in available_tiers():
         raise CommandError(
             f"{spec}: this installation has no Zarr tier (entry point 'zarr' in "
@@ -163,7 +164,7 @@ async def open_location(spec: str, *, create: bool = False) -> Location:
 
 
 @contextlib.asynccontextmanager
-async def _opened(spec: str, *, create: bool = False) -> Any:
+async def _opened(spec: str, *, create: bool = False) -> AsyncIterator[Location]:
     location = await open_location(spec, create=create)
     try:
         yield location
@@ -580,28 +581,32 @@ async def _verify_step(loc: Location, step: int, ui: Console, jobs: int) -> dict
     return report
 
 
-async def _verify(args: argparse.Namespace, ui: Console) -> int:
-    async with _opened(args.location) as loc:
-        steps = await _pick_steps(loc, args.step, every=args.all)
-        reports = [await _verify_step(loc, step, ui, args.jobs) for step in steps]
-    bad = [r for r in reports if not r["ok"]]
-    if args.json:
-        ui.out(json.dumps({"location": args.location, "steps": reports}, indent=2))
-        return EXIT_DAMAGE if bad else EXIT_OK
-    for r in reports:
-        if "manifest_error" in r:
-            ui.out(f"step {r['step']}: DAMAGED: the manifest cannot be read: {r['manifest_error']}")
-            continue
-        if r["ok"]:
-            ui.out(f"step {r['step']}: ok ({r['shards']} shards, {format_bytes(r['bytes'])})")
-            continue
+def _print_report(r: dict[str, Any], ui: Console) -> None:
+    if "manifest_error" in r:
+        ui.out(f"step {r['step']}: DAMAGED: the manifest cannot be read: {r['manifest_error']}")
+    elif r["ok"]:
+        ui.out(f"step {r['step']}: ok ({r['shards']} shards, {format_bytes(r['bytes'])})")
+    else:
         ui.out(f"step {r['step']}: DAMAGED: {len(r['damaged'])} of {r['shards']} shards")
         for d in r["damaged"]:
             end = d["offset"] + d["length"]
             ui.out(f"  shard {d['shard']} (stream bytes {d['offset']}-{end}): {d['error']}")
             for part in d["holds"]:
                 ui.out(f"    {part}")
-    if len(reports) > 1:
+    sys.stdout.flush()  # one step at a time: a long --all run shows results as they come
+
+
+async def _verify(args: argparse.Namespace, ui: Console) -> int:
+    reports = []
+    async with _opened(args.location) as loc:
+        for step in await _pick_steps(loc, args.step, every=args.all):
+            reports.append(await _verify_step(loc, step, ui, args.jobs))
+            if not args.json:
+                _print_report(reports[-1], ui)
+    bad = [r for r in reports if not r["ok"]]
+    if args.json:
+        ui.out(json.dumps({"location": args.location, "steps": reports}, indent=2))
+    elif len(reports) > 1:
         ui.out(f"{len(reports) - len(bad)} of {len(reports)} snapshots intact")
     return EXIT_DAMAGE if bad else EXIT_OK
 
@@ -1215,7 +1220,7 @@ def _first_error(group: BaseExceptionGroup[Any]) -> BaseException:
 
 
 @contextlib.asynccontextmanager
-async def _writing(tier: Tier, manifest: Manifest) -> Any:
+async def _writing(tier: Tier, manifest: Manifest) -> AsyncIterator[None]:
     """``begin`` … ``commit`` on a tier; anything that stops it early aborts the step."""
     await tier.begin(manifest)
     try:
