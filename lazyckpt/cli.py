@@ -330,7 +330,7 @@ def _damage_keys(manifest: Manifest, shard: ShardMeta) -> list[str]:
     return sorted(keys)
 
 
-# -- output helpers ----------------------------------------------------------------------------
+# -- output ------------------------------------------------------------------------------------
 
 
 @dataclass
