@@ -878,6 +878,12 @@ async def _export_torch(
     ui: Console,
     jobs: int,
 ) -> None:
+    if not hasattr(torch.serialization, "skip_data"):
+        raise CommandError(
+            f"--format torch needs torch 2.5 or newer (this is {torch.__version__}); "
+            "export to safetensors instead",
+            EXIT_USAGE,
+        )
     # torch.save pickles one object, so it cannot take tensors one at a time. Instead it saves
     # a skeleton whose tensors are never-touched allocations (address space, no memory) under
     # torch.serialization.skip_data, which lays out every storage record but leaves its bytes
