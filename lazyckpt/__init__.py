@@ -32,6 +32,14 @@ from ._errors import (
     UnsupportedStateError,
 )
 from ._manifest import FORMAT_VERSION, LayoutOptions, Manifest, Segment, ShardMeta, TensorMeta
+from ._metrics import (
+    LOG_FORMAT,
+    StepTierAdapter,
+    StepTierFilter,
+    export_prometheus,
+    install_log_context,
+)
+from ._restore import VerifyReport
 from ._state import ShardState, TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,
@@ -49,6 +57,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ENTRY_POINT_GROUP",
     "FORMAT_VERSION",
+    "LOG_FORMAT",
     "ArenaStats",
     "Block",
     "Checkpointer",
@@ -73,6 +82,8 @@ __all__ = [
     "SnapshotSkippedWarning",
     "SnapshotStats",
     "Stateful",
+    "StepTierAdapter",
+    "StepTierFilter",
     "SupportsStaging",
     "SyncCheckpointer",
     "TensorMeta",
@@ -83,8 +94,11 @@ __all__ = [
     "TierFullError",
     "TierLevel",
     "UnsupportedStateError",
+    "VerifyReport",
     "__version__",
     "available_tiers",
+    "export_prometheus",
+    "install_log_context",
     "load_tier",
     "translate_os_error",
 ]

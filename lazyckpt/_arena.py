@@ -1,6 +1,6 @@
 """The host arena: one pre-allocated, pre-faulted, page-aligned buffer, handed out in blocks.
 
-Allocating host memory on the fly costs about 10× in page faults (a fresh buffer copies at
+Allocating host memory on the fly costs about ten times more in page faults (a fresh buffer copies at
 0.6-1.6 GiB/s, a warm one at 6-10 GiB/s), and an unbounded staging area is the most common
 complaint about asynchronous checkpointing (host memory blowing up). So the arena is
 allocated once, touched once, and every capture waits for a block of it: that wait *is* the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import mmap
 from collections import OrderedDict
 from collections.abc import Callable
@@ -123,7 +124,7 @@ class HostArena:
             t = torch.frombuffer(self._mmap, dtype=torch.uint8)
             t.fill_(0)  # touch every page now, not during the first capture
         self._tensor = t
-        self._view = memoryview(t.numpy()).cast("B")
+        self._view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
         self._free_offsets = [0]
         self._free_lengths = [self.capacity]
 
@@ -137,10 +138,8 @@ class HostArena:
         self._tensor = None
         self._view = None
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a view is still alive; GC unmaps it later
                 self._mmap.close()
-            except BufferError:  # a caller still holds a view; the GC will unmap it
-                pass
             self._mmap = None
 
     @property

@@ -20,7 +20,7 @@ from ._errors import (
     SnapshotFailedError,
 )
 from ._manifest import LayoutOptions, plan_layout
-from ._restore import read_manifest, restore_state
+from ._restore import VerifyReport, read_manifest, restore_state, verify_step
 from ._tier import SupportsStaging, Tier
 from ._tree import walk_state
 
@@ -144,6 +144,8 @@ class _Core:
         capture_threads: int,
         io_concurrency: int,
         deadline: float | None,
+        retries: int,
+        retry_backoff: float,
         when_busy: Literal["wait", "skip"],
         staging_bytes: int,
         use_uvloop: bool | None,
@@ -164,6 +166,8 @@ class _Core:
             capture_threads=capture_threads,
             io_concurrency=io_concurrency,
             deadline=deadline,
+            retries=retries,
+            retry_backoff=retry_backoff,
             when_busy=when_busy,
             staging_bytes=staging_bytes,
             use_uvloop=use_uvloop,
@@ -273,6 +277,11 @@ class _Core:
             if not protected[manifest.step]:
                 del protected[manifest.step]
 
+    async def verify_on_engine(self, step: int | None) -> VerifyReport:
+        if step is not None and (type(step) is not int or step < 0):
+            raise ConfigurationError(f"step must be a non-negative int or None, got {step!r}")
+        return await verify_step(self.engine.tiers, step)
+
     async def steps_on_engine(self) -> list[int]:
         listing = await asyncio.gather(*(t.steps() for t in self.engine.tiers))
         return sorted({s for steps in listing for s in steps})
@@ -313,7 +322,9 @@ _DEFAULTS: dict[str, Any] = {
     "allow_pickle": False,
     "capture_threads": 1,
     "io_concurrency": 4,
-    "deadline": None,
+    "deadline": 300.0,
+    "retries": 3,
+    "retry_backoff": 0.05,
     "when_busy": "wait",
     "staging_bytes": 256 << 20,
     "use_uvloop": None,
@@ -341,7 +352,10 @@ class Checkpointer:
         capture_threads: threads copying CPU tensors into host memory.
         io_concurrency: shards in flight per durable tier.
         deadline: seconds any single tier operation may take before it fails with
-            :class:`DeadlineExceededError` (``None``: no deadline).
+            :class:`DeadlineExceededError` (``None``: no deadline). Default 300.
+        retries: how often a failed tier operation (a broken backend, a missed deadline) is
+            retried, with exponential back-off from ``retry_backoff`` seconds, before the
+            snapshot fails on that tier. A full tier is not retried.
         when_busy: ``"wait"`` applies backpressure (the guard waits); ``"skip"`` drops a
             snapshot requested while the previous capture still runs, with a
             :class:`SnapshotSkippedWarning`.
@@ -425,6 +439,12 @@ class Checkpointer:
         self._core.check_open()
         return await self._call(self._core.steps_on_engine())
 
+    async def verify(self, step: int | None = None) -> VerifyReport:
+        """Read every shard of ``step`` (default: the latest) on every tier that has it and
+        check its checksum; report the damage per tier. Changes nothing."""
+        self._core.check_open()
+        return await self._call(self._core.verify_on_engine(step))
+
     def metrics(self) -> dict[str, Any]:
         """Bytes and throughput per tier, shards in flight, arena use, recent timings."""
         return self._core.engine.metrics()
@@ -505,6 +525,11 @@ class SyncCheckpointer:
         """See :meth:`Checkpointer.steps`."""
         self._core.check_open()
         return self._call(self._core.steps_on_engine)
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """See :meth:`Checkpointer.verify`."""
+        self._core.check_open()
+        return self._call(lambda: self._core.verify_on_engine(step))
 
     def metrics(self) -> dict[str, Any]:
         """See :meth:`Checkpointer.metrics`."""

@@ -20,14 +20,17 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import random
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 import crc32c
 
+from . import hooks
 from ._arena import Block, HostArena
 from ._capture import CaptureBackend, CaptureJob, CpuCapture
 from ._errors import (
@@ -40,7 +43,6 @@ from ._errors import (
     TierBrokenError,
     TierError,
 )
-from . import hooks
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._state import Event, ShardState, StateTable, advance, build_table
@@ -61,7 +63,9 @@ class EngineOptions:
     allow_pickle: bool = False
     capture_threads: int = 1
     io_concurrency: int = 4
-    deadline: float | None = None
+    deadline: float | None = 300.0
+    retries: int = 3
+    retry_backoff: float = 0.05
     when_busy: Literal["wait", "skip"] = "wait"
     staging_bytes: int = 256 << 20
     use_uvloop: bool | None = None
@@ -69,6 +73,8 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.capture_threads < 1 or self.io_concurrency < 1:
             raise ConfigurationError("capture_threads and io_concurrency must be at least 1")
+        if self.retries < 0 or self.retry_backoff < 0:
+            raise ConfigurationError("retries and retry_backoff must not be negative")
         if self.deadline is not None and not self.deadline > 0:
             raise ConfigurationError(f"deadline must be positive seconds, got {self.deadline}")
         if self.when_busy not in ("wait", "skip"):
@@ -112,6 +118,7 @@ class Flight:
         }
         self.done = asyncio.Event()
         self.reported = False
+        self.recorded = False
 
     @property
     def step(self) -> int:
@@ -273,14 +280,34 @@ class Engine:
 
     # -- the flight ------------------------------------------------------------------------
 
-    async def _guarded(self, stage: int, what: str, aw: Awaitable[T]) -> T:
-        """Await a tier operation under the deadline, translating unexpected errors."""
+    async def _guarded(
+        self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
+    ) -> T:
+        """Run a tier operation under the deadline, retrying transient failures with
+        exponential back-off, and translating whatever is not yet a lazyckpt error."""
         name = self.stage_names[stage]
+        attempts = 1 + (self.options.retries if retry else 0)
+        delay = self.options.retry_backoff
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._once(name, what, call)
+            except (TierBrokenError, DeadlineExceededError) as exc:
+                if attempt == attempts:
+                    raise
+                log.info(
+                    "%s on %s failed (attempt %d of %d), retrying in %.2fs: %s",
+                    what, name, attempt, attempts, delay, exc, extra={"tier": name},
+                )
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _once(self, name: str, what: str, call: Callable[[], Awaitable[T]]) -> T:
         try:
             if self.options.deadline is None:
-                return await aw
+                return await call()
             async with asyncio.timeout(self.options.deadline):
-                return await aw
+                return await call()
         except TimeoutError as exc:
             raise DeadlineExceededError(
                 f"tier {name!r}: {what} took longer than the {self.options.deadline}s deadline"
@@ -312,7 +339,10 @@ class Engine:
         m = flight.manifest
         try:
             begun = await asyncio.gather(
-                *(self._guarded(k, "begin", t.begin(m)) for k, t in enumerate(self.durable, 1)),
+                *(
+                    self._guarded(k, "begin", partial(t.begin, m))
+                    for k, t in enumerate(self.durable, 1)
+                ),
                 return_exceptions=True,
             )
             for k, result in enumerate(begun, 1):
@@ -339,6 +369,7 @@ class Engine:
 
     async def _shard_flow(self, flight: Flight, i: int, shard: ShardMeta, block: Block) -> None:
         m = flight.manifest
+        t0 = time.perf_counter()
         try:
             crc = await self.capture.capture(CaptureJob(m, shard, flight.refs, block))
         except Exception as exc:
@@ -350,7 +381,7 @@ class Engine:
         flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
         hooks.point("capture.done")
         shard = replace(shard, crc32c=crc)
-        self._count(0, shard.length)
+        self._count(0, shard.length, time.perf_counter() - t0)
         if self.host is not None:
             assert isinstance(self.host, SupportsStaging)
             self.host.adopt(m, shard, block)
@@ -371,8 +402,9 @@ class Engine:
                 try:
                     async with self._tier_sems[k - 1]:
                         t0 = time.perf_counter()
+                        data = block.memoryview()
                         await self._guarded(
-                            k, f"put shard {i}", tier.put_shard(m, shard, block.memoryview())
+                            k, f"put shard {i}", partial(tier.put_shard, m, shard, data)
                         )
                         self._count(k, shard.length, time.perf_counter() - t0)
                     hooks.point("tier.put.done")
@@ -404,10 +436,11 @@ class Engine:
         tier = self.durable[stage - 1]
         block = await self.arena.allocate(shard.length)
         try:
+            out = block.memoryview()
             await self._guarded(
                 stage,
                 f"read shard {shard.index}",
-                tier.read_shard(flight.manifest, shard, block.memoryview()),
+                partial(tier.read_shard, flight.manifest, shard, out),
             )
             loop = asyncio.get_running_loop()
             crc = await loop.run_in_executor(None, crc32c.crc32c, block.memoryview())
@@ -446,7 +479,7 @@ class Engine:
         manifest = replace(manifest, extra={**manifest.extra, "tier": tier.describe()})
         try:
             hooks.point("tier.commit.before")
-            await self._guarded(stage, "commit", tier.commit(manifest))
+            await self._guarded(stage, "commit", partial(tier.commit, manifest))
             hooks.point("tier.commit.after")
         except Exception as exc:
             if stage == 0:  # the host copy is a convenience; its loss fails nothing else
@@ -463,6 +496,8 @@ class Engine:
     def _resolve(self, flight: Flight, stage: int) -> None:
         name = self.stage_names[stage]
         flight.stats.reached_s[name] = time.perf_counter() - flight.t_submit
+        if stage == len(self.stage_names) - 1:  # before anyone waiting on it wakes up
+            self._record(flight)
         fut = flight.reached[name]
         if not fut.done():
             fut.set_result(None)
@@ -470,12 +505,12 @@ class Engine:
 
     async def _apply_retention(self, tier: Tier, stage: int) -> None:
         try:
-            committed = await self._guarded(stage, "list", tier.steps())
+            committed = await self._guarded(stage, "list", tier.steps)
             for step in tier.retention.to_delete(committed):
                 if step in self.protected or step in self.flights:
                     continue
                 hooks.point("retention.before_delete")
-                await self._guarded(stage, f"delete step {step}", tier.delete(step))
+                await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
         except Exception as exc:
             log.warning("retention on %s failed: %s", tier.name, exc, extra={"tier": tier.name})
             err = exc if isinstance(exc, LazyCkptError) else TierBrokenError(str(exc), tier=tier.name)
@@ -494,7 +529,7 @@ class Engine:
                 for k in stages:
                     with contextlib.suppress(Exception):
                         await asyncio.shield(
-                            self._guarded(k, "abort", self.durable[k - 1].abort(flight.step))
+                            self._guarded(k, "abort", partial(self.durable[k - 1].abort, flight.step))
                         )
                 if flight.failed_from == 0 and self.host is not None and hasattr(
                     self.host, "forget"
@@ -511,9 +546,14 @@ class Engine:
                 self._finish_failed(flight, error, flight.failed_from)
         finally:
             self.flights.pop(flight.step, None)
+            self._record(flight)
+            flight.done.set()
+
+    def _record(self, flight: Flight) -> None:
+        if not flight.recorded:
+            flight.recorded = True
             self.history.append(flight.stats)
             del self.history[:-1000]
-            flight.done.set()
 
     def _finish_failed(self, flight: Flight, error: LazyCkptError, stage: int) -> None:
         if stage == 0 and not flight.captured.done():

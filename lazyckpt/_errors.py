@@ -113,7 +113,7 @@ class TierFullError(TierError):
     """The tier's backend is out of space (ENOSPC, quota, arena too small)."""
 
 
-class SnapshotFailedError(ExceptionGroup[Exception], LazyCkptError):  # type: ignore[misc]
+class SnapshotFailedError(ExceptionGroup[Exception], LazyCkptError):
     """A snapshot failed. The group holds each shard's or tier's failure.
 
     ``step`` is the step; ``tiers`` the names of the tiers on which it is not committed.
@@ -135,5 +135,5 @@ class SnapshotFailedError(ExceptionGroup[Exception], LazyCkptError):  # type: ig
     ) -> None:
         super().__init__(message, list(errors))
 
-    def derive(self, excs: Sequence[Exception]) -> SnapshotFailedError:
+    def derive(self, excs: Sequence[Exception]) -> SnapshotFailedError:  # type: ignore[override]
         return SnapshotFailedError(self.message, excs, step=self.step, tiers=self.tiers)

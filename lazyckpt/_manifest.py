@@ -246,7 +246,7 @@ def _decode_manifest(doc: Any) -> Manifest:
         raise CorruptionError(
             f"manifest format {version} is newer than this lazyckpt ({FORMAT_VERSION}); upgrade"
         )
-    tensors = []
+    tensors: list[TensorMeta] = []
     for t in doc["tensors"]:
         shape = tuple(t["shape"])
         if any(type(d) is not int or d < 0 for d in shape):

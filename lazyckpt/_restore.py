@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
@@ -30,7 +31,14 @@ from ._state import RestoreEvent, RestoreState, advance_restore
 from ._tier import Tier
 from ._tree import Stateful, StatefulValue, decode_tree, walk_state
 
-__all__ = ["apply_into", "committed_steps", "read_manifest", "restore_state"]
+__all__ = [
+    "VerifyReport",
+    "apply_into",
+    "committed_steps",
+    "read_manifest",
+    "restore_state",
+    "verify_step",
+]
 
 
 async def committed_steps(tiers: Sequence[Tier]) -> dict[str, list[int]]:
@@ -76,7 +84,8 @@ async def read_manifest(
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    array = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
 
 
 class _Destinations:
@@ -256,10 +265,67 @@ def apply_into(into: Any, restored: Any, key: str = "") -> None:
         if isinstance(current, torch.Tensor):
             if isinstance(value, torch.Tensor) and value is not current:
                 current.copy_(value)
-        elif isinstance(current, Stateful) and not isinstance(current, Mapping):
-            apply_into(current, value, child)
-        elif isinstance(current, MutableMapping) and isinstance(value, Mapping):
+        elif (isinstance(current, Stateful) and not isinstance(current, Mapping)) or (isinstance(current, MutableMapping) and isinstance(value, Mapping)):
             apply_into(current, value, child)
         else:
             into[k] = dict(value) if isinstance(value, StatefulValue) else value
 
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`Checkpointer.verify` found: per tier, the problems with one step.
+
+    ``problems[tier]`` is empty when every shard of the step on that tier matched its
+    checksum. ``ok`` is true when at least one tier holds a complete good copy.
+    """
+
+    step: int
+    problems: dict[str, list[str]] = field(default_factory=dict)
+    shards: int = 0
+    bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return any(not p for p in self.problems.values())
+
+    @property
+    def damaged_tiers(self) -> list[str]:
+        return [name for name, p in self.problems.items() if p]
+
+
+async def verify_step(tiers: Sequence[Tier], step: int | None) -> VerifyReport:
+    """Read every shard of ``step`` on every tier that lists it and check its crc32c."""
+    listing = await committed_steps(tiers)
+    everywhere = sorted({s for steps in listing.values() for s in steps})
+    if step is None:
+        if not everywhere:
+            raise SnapshotNotFoundError("no committed snapshot on any tier")
+        step = everywhere[-1]
+    holders = [t for t in tiers if step in listing.get(t.name, [])]
+    if not holders:
+        raise SnapshotNotFoundError(f"step {step} is not committed on any tier")
+    report = VerifyReport(step)
+    loop = asyncio.get_running_loop()
+    for tier in holders:
+        problems = report.problems.setdefault(tier.name, [])
+        try:
+            manifest = await tier.read_manifest(step)
+        except (CorruptionError, TierError, SnapshotNotFoundError) as exc:
+            problems.append(f"manifest: {exc}")
+            continue
+        report.shards = len(manifest.shards)
+        report.bytes = sum(s.length for s in manifest.shards)
+        for shard in manifest.shards:
+            buf = bytearray(shard.length)
+            try:
+                await tier.read_shard(manifest, shard, memoryview(buf))
+            except (CorruptionError, TierError) as exc:
+                problems.append(f"shard {shard.index} ({_keys(manifest, shard)}): {exc}")
+                continue
+            crc = await loop.run_in_executor(None, crc32c.crc32c, buf)
+            if crc != shard.crc32c:
+                problems.append(
+                    f"shard {shard.index} ({_keys(manifest, shard)}): checksum mismatch"
+                )
+    return report

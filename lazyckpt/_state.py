@@ -31,6 +31,7 @@ This module does no I/O and awaits nothing; it is pure and property-tested.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -114,7 +115,7 @@ def build_table(levels: Sequence[TierLevel]) -> StateTable:
             "only the first tier of a chain may be a host-memory tier; "
             f"got levels {[lv.name for lv in chain]}"
         )
-    if any(b <= a for a, b in zip(chain, chain[1:], strict=False)):
+    if any(b <= a for a, b in itertools.pairwise(chain)):
         raise ConfigurationError(
             "tier levels must strictly increase along the chain (host, then local, then "
             f"pfs), one tier per level; got {[lv.name for lv in chain]}"

@@ -57,11 +57,7 @@ class Stateful(Protocol):
 
 
 _DTYPES: dict[str, torch.dtype] = {}
-for _name in (
-    "float64 float32 float16 bfloat16 complex128 complex64 complex32 bool uint8 int8 int16 "
-    "int32 int64 uint16 uint32 uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
-    "float8_e5m2fnuz float8_e8m0fnu"
-).split():
+for _name in ["float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32", "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]:
     _dt = getattr(torch, _name, None)
     if isinstance(_dt, torch.dtype):
         _DTYPES[_name] = _dt
@@ -97,6 +93,24 @@ class TensorRef:
 
 def _escape(part: str) -> str:
     return part.replace("%", "%25").replace("/", "%2F")
+
+
+_MAX_KEY = 1024
+
+
+def _check_key(k: Any, parent: str) -> None:
+    """Refuse keys that could name something outside a tier's root when a tier turns keys
+    into paths (Zarr does): traversal, absolute paths, NUL and control characters."""
+    if not isinstance(k, str):
+        return
+    where = f"under {parent!r}" if parent else "at the top level"
+    if k in ("", ".", "..") or k.startswith("/") or any(ord(c) < 32 for c in k):
+        raise UnsupportedStateError(
+            f"key {k!r} {where} is not allowed: keys may not be empty, '.', '..', start "
+            "with '/', or contain control characters (NUL included)"
+        )
+    if len(k) > _MAX_KEY:
+        raise UnsupportedStateError(f"key {k[:40]!r}... {where} is longer than {_MAX_KEY}")
 
 
 def _check_tensor(key: str, t: torch.Tensor) -> None:
@@ -196,6 +210,7 @@ class _Walker:
                     f"key {k!r} under {key!r} is of type {type(k).__qualname__}; "
                     "mapping keys must be str, int, float, bool, None or tuples of them"
                 )
+            _check_key(k, key)
             child = f"{key}/{_escape(str(k))}" if key else _escape(str(k))
             items.append([self.encode(k, key), self.encode(v, child)])
         return {"$dict": items}

@@ -22,7 +22,10 @@ scalars = (
     | st.text(max_size=8)
     | st.binary(max_size=8)
 )
-keys = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=4)
+safe_text = st.text(
+    st.characters(min_codepoint=32, blacklist_characters="/"), min_size=1, max_size=4
+).filter(lambda k: k not in (".", ".."))
+keys = st.none() | st.booleans() | st.integers(-5, 5) | safe_text
 values = st.recursive(
     scalars,
     lambda inner: st.lists(inner, max_size=4)
@@ -32,7 +35,7 @@ values = st.recursive(
 )
 
 
-@given(st.dictionaries(st.text(max_size=5), values, max_size=5))
+@given(st.dictionaries(safe_text, values, max_size=5))
 def test_plain_values_round_trip_exactly(state: dict[str, Any]) -> None:
     tree, refs = walk_state(state, allow_pickle=False)
     assert refs == []
@@ -102,3 +105,14 @@ def test_keys_are_escaped_unambiguously() -> None:
 def test_damaged_trees_raise_corruption(tree: Any) -> None:
     with pytest.raises(CorruptionError):
         decode_tree(tree, [], allow_pickle=False)
+
+
+@pytest.mark.parametrize("key", ["..", ".", "", "/etc/passwd", "a\x00b", "tab\there", "x" * 2000])
+def test_hostile_keys_are_refused(key: str) -> None:
+    with pytest.raises(UnsupportedStateError, match="key"):
+        walk_state({"model": {key: torch.zeros(1)}}, allow_pickle=False)
+
+
+def test_slashes_inside_keys_stay_inside_one_component() -> None:
+    _, refs = walk_state({"a/../../b": torch.zeros(1)}, allow_pickle=False)
+    assert refs[0].key == "a%2F..%2F..%2Fb"

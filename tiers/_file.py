@@ -25,7 +25,6 @@ import re
 import shutil
 from pathlib import Path
 
-from lazyckpt import hooks
 from lazyckpt import (
     ConfigurationError,
     CorruptionError,
@@ -36,6 +35,7 @@ from lazyckpt import (
     TierBrokenError,
     TierClosedError,
     TierLevel,
+    hooks,
     translate_os_error,
 )
 

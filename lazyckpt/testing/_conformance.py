@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import crc32c

@@ -16,14 +16,14 @@ import errno
 from collections import Counter
 from typing import Any
 
-from .._errors import TierBrokenError, TierFullError
+from .._errors import TierBrokenError, TierError, TierFullError
 from .._manifest import Manifest, ShardMeta
 from .._tier import Tier
 
 __all__ = ["FaultyTier"]
 
 _METHODS = (
-    "open begin put_shard commit abort steps read_manifest read_shard delete aclose".split()
+    ["open", "begin", "put_shard", "commit", "abort", "steps", "read_manifest", "read_shard", "delete", "aclose"]
 )
 
 
@@ -44,7 +44,7 @@ class FaultyTier(Tier):
         self.bytes_written = 0
         self.calls: Counter[str] = Counter()
         self._fail: dict[str, int] = {}
-        self._fail_exc: dict[str, type[Exception]] = {}
+        self._fail_exc: dict[str, type[TierError]] = {}
         self._hang: set[str] = set()
         self._broken: set[str] = set()
 
