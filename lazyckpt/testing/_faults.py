@@ -113,8 +113,12 @@ class FaultyTier(Tier):
             raise TierFullError("injected: no space left on device", tier=self.name) from OSError(
                 errno.ENOSPC, "No space left on device"
             )
-        await self.inner.put_shard(manifest, shard, data)
-        self.bytes_written += len(data)
+        self.bytes_written += len(data)  # reserve before awaiting: puts run concurrently
+        try:
+            await self.inner.put_shard(manifest, shard, data)
+        except BaseException:
+            self.bytes_written -= len(data)
+            raise
 
     async def commit(self, manifest: Manifest) -> None:
         await self._enter("commit")
