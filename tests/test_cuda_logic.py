@@ -25,6 +25,7 @@ import crc32c
 import pytest
 import torch
 
+import lazyckpt
 from lazyckpt import (
     ConfigurationError,
     CorruptionError,
@@ -46,6 +47,7 @@ from lazyckpt._cuda import (
 )
 from lazyckpt._manifest import plan_layout
 from lazyckpt._tree import TensorRef, walk_state
+from tiers import HostMemoryTier
 
 # -- the fake device ------------------------------------------------------------------------
 
@@ -113,7 +115,8 @@ class FakeEvent:
 class FakeRuntime:
     """A device whose copies happen when their event completes, and only when allowed."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, eager: bool = False) -> None:
+        self.eager = eager  # copy at enqueue (the data is right whenever the event is seen)
         self.devices: dict[int, int] = {}
         self.budget: int | None = None  # events that may still complete (None: any)
         self.polls_before_done = 0
@@ -177,7 +180,10 @@ class FakeRuntime:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         current = getattr(self._tls, "current", None)
         assert current is not None and current.name == "side", "a copy off the side stream"
-        current.pending.append((dst, src))
+        if self.eager:
+            dst.copy_(src)
+        else:
+            current.pending.append((dst, src))
         self.copied.append(src)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -710,6 +716,46 @@ async def test_stream_guard_hook_fences_from_an_optimizer_step(
     finally:
         handle.remove()
         capture.close()
+
+
+def test_stream_guard_with_the_engine_keeps_each_snapshot_before_its_step() -> None:
+    """The hook on a real Checkpointer: its flights, its errors, an optimizer that bumps the
+    version counters before the copies are seen complete."""
+    rt = FakeRuntime(eager=True)
+    model = torch.nn.Linear(64, 64)
+    for p in model.parameters():
+        rt.to_device(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with lazyckpt.SyncCheckpointer(
+        [HostMemoryTier(8 << 20)], shard_size=8192, pack_bytes=1024
+    ) as ckpt:
+        engine = ckpt._core.engine
+        engine.capture.close()
+        capture = CudaCapture(runtime=rt)
+        engine.capture = capture
+        opt.register_step_pre_hook(
+            stream_guard_hook(
+                capture, engine.pending_captures, raise_unreported=engine.raise_unreported
+            )
+        )
+        expected = []
+        for step in range(1, 4):
+            model(torch.randn(4, 64)).sum().backward()
+            rt.budget = 0  # no copy is seen complete before the optimizer step
+            capture.mark_snapshot(step)
+            handle = ckpt.snapshot({"model": model, "optim": opt}, step=step)
+            expected.append({k: v.clone() for k, v in model.state_dict().items()})
+            opt.step()  # bumps every version counter while the copies are still "running"
+            opt.zero_grad()
+            assert handle.state() == "capturing"
+            assert rt.compute[0].log[-1] == ("wait_event", rt.copy_events[-1])
+            assert handle.stats is not None and handle.stats.guard_s > 0
+            rt.budget = None
+            handle.wait("committed", timeout=10)
+        restored = ckpt.restore(step=3)
+    for key, value in expected[-1].items():
+        assert torch.equal(restored["model"][key], value), key
+    assert not torch.equal(model.weight, expected[-1]["weight"])
 
 
 def test_guard_mode_resolution() -> None:
