@@ -140,23 +140,24 @@ def node_name(component: str) -> str:
     """One component of a state-dict key as a Zarr node name that cannot escape its group.
 
     Bytes outside ``[A-Za-z0-9._-]`` are percent-encoded (``%`` too, so the mapping is
-    one-to-one), as is a leading ``_`` of a ``__`` prefix (reserved by the Zarr v3 spec);
-    ``.``, ``..`` and the empty name are encoded whole. A name still longer than 200 bytes is
-    cut and suffixed with ``~`` and a hash (``~`` never occurs otherwise).
+    one-to-one), and so are a leading ``.`` (``.``, ``..``, hidden files, zarr v2's
+    ``.zarray``), the first ``_`` of a ``__`` prefix (reserved by the Zarr v3 spec) and the
+    ``.`` of ``zarr.json`` (a node's own metadata key); the empty name becomes ``%``. A name
+    still longer than 200 bytes is cut and suffixed with ``~`` and a hash (``~`` never occurs
+    otherwise).
     """
-    if component in ("", ".", ".."):
-        return "%2E" * len(component) if component else "%"
+    if not component:
+        return "%"
     out = []
     for i, byte in enumerate(component.encode()):
         ch = chr(byte)
-        if (ch.isascii() and ch.isalnum()) or ch in "._-":
-            if i == 0 and ch == "_" and component.startswith("__"):
-                out.append("%5F")
-            else:
-                out.append(ch)
-        else:
-            out.append(f"%{byte:02X}")
+        literal = (ch.isascii() and ch.isalnum()) or ch in "._-"
+        if i == 0 and (ch == "." or (ch == "_" and component.startswith("__"))):
+            literal = False
+        out.append(ch if literal else f"%{byte:02X}")
     name = "".join(out)
+    if name == "zarr.json":
+        name = "zarr%2Ejson"
     if len(name) > _MAX_NAME:
         digest = hashlib.sha256(component.encode()).hexdigest()[:32]
         name = f"{name[: _MAX_NAME - 33]}~{digest}"
@@ -621,6 +622,10 @@ def _s3_store(
     return ObjectStore(backend)
 
 
+async def _awaited(aw: Awaitable[T]) -> T:
+    return await aw
+
+
 # -- the tier -----------------------------------------------------------------------------------
 
 
@@ -785,10 +790,19 @@ class ZarrTier(Tier):
         async with self._requests:
             return await aw
 
-    async def _all(self, aws: Iterable[Awaitable[Any]]) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for aw in aws:
-                tg.create_task(self._request(aw))
+    @staticmethod
+    async def _all(aws: Iterable[Awaitable[Any]]) -> None:
+        # Each awaitable takes its own request slot (see _request): taking one here as well
+        # would deadlock once more than `concurrency` of them wait.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for aw in aws:
+                    tg.create_task(_awaited(aw))
+        except ExceptionGroup as group:  # the first failure says what went wrong
+            first: BaseException = group
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from first.__cause__
 
     async def _cpu(self, fn: Any, *args: Any) -> Any:
         if self._pool is None:
@@ -880,7 +894,7 @@ class ZarrTier(Tier):
                 if m and int(m.group(1)) not in committed:
                     leftovers.append(m.group(0))
             # what a crash left: snapshots that never reached the index
-            await self._all(self._store.delete_dir(p) for p in leftovers)
+            await self._all(self._request(self._store.delete_dir(p)) for p in leftovers)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -1,0 +1,157 @@
+"""ZarrTier on S3 (moto on 127.0.0.1): configuration from the environment, the commit seen
+from outside, retries through dropped connections, a server that goes away, secrets kept."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from conftest_s3 import (
+    ACCESS_KEY_ID,
+    SECRET_ACCESS_KEY,
+    DroppingProxy,
+    S3Location,
+    s3,
+    s3_server,
+    start_server,
+)
+
+from lazyckpt import Checkpointer, SnapshotFailedError, TierBrokenError
+from lazyckpt.testing import build_snapshot
+from tiers import HostMemoryTier, ZarrTier
+
+__all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
+
+SMALL = {"shard_size": 64 << 10, "pack_bytes": 4 << 10}
+
+
+def _every_text(exc: BaseException) -> str:
+    """The messages of an error, its causes, contexts and group members."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    texts = []
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        texts.append(f"{type(e).__name__}: {e}")
+        stack += [x for x in (e.__cause__, e.__context__) if x is not None]
+        if isinstance(e, BaseExceptionGroup):
+            stack += list(e.exceptions)
+    return "\n".join(texts)
+
+
+def test_settings_come_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, s3: S3Location
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.server.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    tier = ZarrTier(s3.url)
+    info = tier.describe()
+    assert info["location"] == s3.url and info["endpoint"] == s3.server.endpoint
+    assert SECRET_ACCESS_KEY not in repr(info) + repr(tier) + repr(vars(tier))
+    # a keyword argument wins over its environment variable
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    assert ZarrTier(s3.url, endpoint_url=s3.server.endpoint).describe()["endpoint"] == (
+        s3.server.endpoint
+    )
+
+
+async def test_environment_alone_is_enough(monkeypatch: pytest.MonkeyPatch, s3: S3Location) -> None:
+    for name, value in {
+        "AWS_ENDPOINT_URL": s3.server.endpoint,
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET_ACCESS_KEY,
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    state = {"w": torch.randn(200, 100), "b": torch.randn(5)}
+    async with Checkpointer([ZarrTier(s3.url)], staging_bytes=1 << 20, **SMALL) as ckpt:
+        await (await ckpt.snapshot(state, step=1)).committed()
+        restored = await ckpt.restore()
+    assert torch.equal(restored["w"], state["w"]) and torch.equal(restored["b"], state["b"])
+
+
+async def test_commit_is_one_object_written_last(s3: S3Location) -> None:
+    manifest, payloads = build_snapshot(3, {"w": torch.randn(100, 100), "b": torch.randn(9)})
+    client = s3.server.client()
+
+    def committed() -> list[int]:  # the oracle: the index as anyone reading S3 sees it
+        body = client.get_object(Bucket=s3.server.bucket, Key=f"{s3.prefix}/zarr.json")["Body"]
+        return list(json.loads(body.read())["attributes"]["lazyckpt"]["committed"])
+
+    tier = ZarrTier(s3.url, **s3.server.tier_options())
+    await tier.open()
+    try:
+        await tier.begin(manifest)
+        for shard, data in zip(manifest.shards, payloads, strict=True):
+            await tier.put_shard(manifest, shard, memoryview(data))
+        assert committed() == [] and await tier.steps() == []
+        await tier.commit(manifest)
+        assert committed() == [3] and await tier.steps() == [3]
+        keys = s3.objects()
+        assert f"{s3.prefix}/step-000000000003/zarr.json" in keys
+        await tier.delete(3)
+        assert committed() == [] and s3.objects() == [f"{s3.prefix}/zarr.json"]
+    finally:
+        await tier.aclose()
+
+
+async def test_dropped_connections_are_retried(s3: S3Location) -> None:
+    state = {"w": torch.randn(300, 100), "b": torch.randn(10)}
+    with DroppingProxy(s3.server.endpoint, drop=4) as proxy:
+        options = {**s3.server.tier_options(), "endpoint_url": proxy.endpoint, "retries": 10}
+        async with Checkpointer([ZarrTier(s3.url, **options)], staging_bytes=1 << 20, **SMALL) as c:
+            await (await c.snapshot(state, step=1)).committed()
+            restored = await c.restore()
+        assert proxy.dropped == 4
+    assert torch.equal(restored["w"], state["w"])
+
+
+async def test_server_gone_fails_the_snapshot_not_the_training(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server, info = start_server()
+    stopped = False
+    try:
+        tier = ZarrTier(
+            f"s3://{info.bucket}/run",
+            **info.tier_options(),
+            retries=2,
+            retry_timeout=5,
+            connect_timeout=1,
+        )
+        model = torch.nn.Linear(64, 32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        caplog.set_level(logging.DEBUG)
+        # no engine-level retries on top of the tier's own: the failure comes quickly
+        async with Checkpointer([HostMemoryTier(4 << 20), tier], retries=0, **SMALL) as ckpt:
+            ckpt.guard(opt)
+            await (await ckpt.snapshot({"model": model.state_dict()}, step=1)).committed()
+            server.stop()
+            stopped = True
+            for step in (2, 3):  # training goes on; each snapshot still lands on the host
+                model(torch.randn(8, 64)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                handle = await ckpt.snapshot({"model": model.state_dict()}, step=step)
+                await handle.reached("host")
+                with pytest.raises(SnapshotFailedError) as failure:
+                    await handle.committed()
+                assert failure.value.tiers == ("zarr",)
+                assert any(isinstance(e, TierBrokenError) for e in failure.value.exceptions)
+                text = _every_text(failure.value)
+                assert SECRET_ACCESS_KEY not in text and "zarr" in text
+            restored = await ckpt.restore()  # the newest copy, from host memory
+        assert torch.equal(restored["model"]["weight"], model.weight.detach())
+        assert SECRET_ACCESS_KEY not in caplog.text
+    finally:
+        if not stopped:
+            server.stop()
