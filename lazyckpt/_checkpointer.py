@@ -18,6 +18,7 @@ from ._errors import (
     ConfigurationError,
     LazyCkptError,
     SnapshotFailedError,
+    SnapshotNotFoundError,
 )
 from ._manifest import LayoutOptions, plan_layout
 from ._restore import VerifyReport, read_manifest, restore_state, verify_step
@@ -149,6 +150,7 @@ class _Core:
         when_busy: Literal["wait", "skip"],
         staging_bytes: int,
         use_uvloop: bool | None,
+        distributed: bool | None,
     ) -> None:
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence):
             raise ConfigurationError("tiers must be a list of Tier objects, fastest first")
@@ -171,6 +173,7 @@ class _Core:
             when_busy=when_busy,
             staging_bytes=staging_bytes,
             use_uvloop=use_uvloop,
+            distributed=distributed,
         )
         self.engine = Engine(tiers, options)
         self.options = options
@@ -192,6 +195,9 @@ class _Core:
         await self.engine.open()
         listing = await asyncio.gather(*(t.steps() for t in self.engine.tiers))
         committed = [s for steps in listing for s in steps]
+        if self.engine.coordinator is not None:  # every rank must refuse the same steps
+            everyone = await self.engine.coordinator.gather(0, committed)
+            committed = [s for part in everyone for s in part]
         self._last_step = max(committed) if committed else None
 
     def snapshot(self, state: Any, step: int) -> SnapshotHandle:
@@ -222,6 +228,8 @@ class _Core:
             refs,
             self.options.layout,
             pickled="$pickle" in _tags(tree),
+            rank=self.engine.rank,
+            world_size=self.engine.world_size,
         )
         flight = Flight(manifest, refs, self.engine.stage_names)
         self._last_step = step
@@ -261,6 +269,11 @@ class _Core:
     ) -> Any:
         if step is not None and (type(step) is not int or step < 0):
             raise ConfigurationError(f"step must be a non-negative int or None, got {step!r}")
+        if step is None and self.engine.coordinator is not None:
+            agreed = await self.steps_on_engine()  # all ranks restore the same step
+            if not agreed:
+                raise SnapshotNotFoundError("no step is committed on every rank")
+            step = agreed[-1]
         manifest, sources, _problems = await read_manifest(self.engine.tiers, step)
         protected = self.engine.protected
         protected[manifest.step] = protected.get(manifest.step, 0) + 1
@@ -284,7 +297,11 @@ class _Core:
 
     async def steps_on_engine(self) -> list[int]:
         listing = await asyncio.gather(*(t.steps() for t in self.engine.tiers))
-        return sorted({s for steps in listing for s in steps})
+        mine = sorted({s for steps in listing for s in steps})
+        if self.engine.coordinator is None:
+            return mine
+        everyone = await self.engine.coordinator.gather(0, mine)
+        return sorted(set.intersection(*(set(part) for part in everyone)))
 
     async def close_on_engine(self) -> None:
         await self.engine.close()
@@ -328,6 +345,7 @@ _DEFAULTS: dict[str, Any] = {
     "when_busy": "wait",
     "staging_bytes": 256 << 20,
     "use_uvloop": None,
+    "distributed": None,
 }
 
 
@@ -361,6 +379,10 @@ class Checkpointer:
             :class:`SnapshotSkippedWarning`.
         staging_bytes: size of the private arena when the chain has no host tier.
         use_uvloop: run the engine loop on uvloop (``None``: if installed).
+        distributed: coordinate commits with the other ranks over torch.distributed
+            (``None``: when it is initialized with more than one rank). Then every rank
+            must open the Checkpointer, snapshot the same steps in the same order, and
+            call ``steps()``/``restore()`` together; see ``docs/distributed.md``.
     """
 
     def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:

@@ -33,6 +33,7 @@ import crc32c
 from . import hooks
 from ._arena import Block, HostArena
 from ._capture import CaptureBackend, CaptureJob, CpuCapture
+from ._distributed import Coordinator, distributed_context
 from ._errors import (
     CheckpointerClosedError,
     ConfigurationError,
@@ -46,7 +47,7 @@ from ._errors import (
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._state import Event, ShardState, StateTable, advance, build_table
-from ._tier import SupportsStaging, Tier
+from ._tier import SupportsGlobalCommit, SupportsStaging, Tier
 from ._tree import TensorRef
 
 __all__ = ["Engine", "EngineOptions", "Flight", "SnapshotStats"]
@@ -69,6 +70,7 @@ class EngineOptions:
     when_busy: Literal["wait", "skip"] = "wait"
     staging_bytes: int = 256 << 20
     use_uvloop: bool | None = None
+    distributed: bool | None = None
 
     def __post_init__(self) -> None:
         if self.capture_threads < 1 or self.io_concurrency < 1:
@@ -119,6 +121,10 @@ class Flight:
         self.done = asyncio.Event()
         self.reported = False
         self.recorded = False
+        # distributed mode: this rank's outcome per stage, then the ranks' agreement
+        self.local_ok = [False] * len(tier_names)
+        self.settled = asyncio.Event()
+        self.coordinated = [asyncio.Event() for _ in tier_names]
 
     @property
     def step(self) -> int:
@@ -175,6 +181,11 @@ class Engine:
         self.closed = False
         self.opened = False
         self.skipped = 0
+        self.rank = 0
+        self.world_size = 1
+        self.coordinator: Coordinator | None = None
+        self._queues: list[asyncio.Queue[Flight]] = []
+        self._coordinators: list[asyncio.Task[None]] = []
         self.history: list[SnapshotStats] = []
         self.tier_bytes: dict[str, int] = dict.fromkeys(self.stage_names, 0)
         self.tier_seconds: dict[str, float] = dict.fromkeys(self.stage_names, 0.0)
@@ -190,8 +201,20 @@ class Engine:
     async def open(self) -> None:
         """Allocate the arena, open the tiers, start the task group (engine loop)."""
         loop = asyncio.get_running_loop()
+        context = distributed_context(self.options.distributed)
+        if context is not None:
+            self.rank, self.world_size = context
+            self._check_distributed()
+            for t in self.tiers:
+                t.rank, t.world_size = self.rank, self.world_size
+            timeout = self.options.deadline or 300.0
+            self.coordinator = await loop.run_in_executor(
+                None, Coordinator, self.rank, self.world_size, len(self.durable), timeout
+            )
         await loop.run_in_executor(None, self.arena.allocate_memory)
         await asyncio.gather(*(t.open() for t in self.tiers))
+        if self.coordinator is not None:
+            await self.coordinator.barrier()  # nobody writes before every rank cleaned up
         self._tier_sems = [asyncio.Semaphore(self.options.io_concurrency) for _ in self.durable]
         started = asyncio.Event()
         self._stop = asyncio.Event()
@@ -200,6 +223,12 @@ class Engine:
             assert self._stop is not None
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                if self.coordinator is not None:
+                    self._queues = [asyncio.Queue() for _ in self.stage_names]
+                    self._coordinators = [
+                        tg.create_task(self._coordinate(k), name=f"lazyckpt-coordinate-{k}")
+                        for k in range(1, len(self.stage_names))
+                    ]
                 started.set()
                 await self._stop.wait()
 
@@ -224,8 +253,12 @@ class Engine:
         finally:
             if self._stop is not None:
                 self._stop.set()
-                with contextlib.suppress(Exception):
+                for task in self._coordinators:  # they wait forever for more flights
+                    task.cancel()
+                with contextlib.suppress(BaseException):
                     await self._main_task
+            if self.coordinator is not None:
+                self.coordinator.close()
             results = await asyncio.gather(
                 *(t.aclose() for t in self.tiers), return_exceptions=True
             )
@@ -276,6 +309,8 @@ class Engine:
             self._finish_failed(flight, CheckpointerClosedError("the Checkpointer was closed"), 0)
             return
         self.flights[flight.step] = flight
+        for queue in self._queues[1:]:
+            queue.put_nowait(flight)
         self._tg.create_task(self._run_flight(flight), name=f"lazyckpt-step-{flight.step}")
 
     # -- the flight ------------------------------------------------------------------------
@@ -488,10 +523,69 @@ class Engine:
                 return
             self._fail(flight, stage, exc)
             return
+        if stage > 0 and self.coordinator is not None:
+            flight.local_ok[stage] = True  # this rank's part; _coordinate decides the step
+            return
         self._resolve(flight, stage)
+        self._retain(tier, stage)
+
+    def _retain(self, tier: Tier, stage: int) -> None:
         if stage > 0 and (tier.retention.keep_last or tier.retention.keep_every):
             assert self._tg is not None
             self._tg.create_task(self._apply_retention(tier, stage))
+
+    # -- distributed ------------------------------------------------------------------------
+
+    def _check_distributed(self) -> None:
+        if self.options.when_busy == "skip":
+            raise ConfigurationError(
+                'when_busy="skip" cannot be used with several ranks: ranks would skip '
+                "different steps; use the default, when_busy=\"wait\""
+            )
+        for t in self.durable:
+            if not isinstance(t, SupportsGlobalCommit):
+                raise ConfigurationError(
+                    f"{t!r} cannot hold snapshots of several ranks (no commit_global); "
+                    "use it in single-process runs only"
+                )
+
+    async def _coordinate(self, stage: int) -> None:
+        """Decide, with every other rank and in step order, whether each flight is
+        committed on this stage's tier (see ``_distributed``)."""
+        assert self.coordinator is not None
+        tier = self.durable[stage - 1]
+        while True:
+            flight = await self._queues[stage].get()
+            try:
+                await flight.settled.wait()
+                ok = flight.local_ok[stage] and not self._failed_at(flight, stage)
+                oks = await self.coordinator.agree(stage, flight.step, ok)
+                wrote = False
+                if all(oks):
+                    try:
+                        await self._guarded(
+                            stage, "commit", partial(tier.commit_global, flight.step, self.world_size)  # type: ignore[attr-defined]
+                        )
+                        wrote = True
+                    except Exception as exc:
+                        self._fail(flight, stage, exc)
+                done = await self.coordinator.agree(stage, flight.step, wrote)
+                if all(done):
+                    self._resolve(flight, stage)
+                    self._retain(tier, stage)
+                elif ok:
+                    failed = [r for r, v in enumerate(oks if not all(oks) else done) if not v]
+                    self._fail(
+                        flight,
+                        stage,
+                        TierBrokenError(
+                            f"step {flight.step} not committed: rank(s) {failed} failed", tier=tier.name
+                        ),
+                    )
+            except Exception as exc:
+                self._fail(flight, stage, exc)
+            finally:
+                flight.coordinated[stage].set()
 
     def _resolve(self, flight: Flight, stage: int) -> None:
         name = self.stage_names[stage]
@@ -524,6 +618,10 @@ class Engine:
 
     async def _finish(self, flight: Flight) -> None:
         try:
+            if self.coordinator is not None:
+                flight.settled.set()
+                for event in flight.coordinated[1:]:
+                    await event.wait()
             if flight.failed_from is not None:
                 stages = range(max(1, flight.failed_from), len(self.stage_names))
                 for k in stages:

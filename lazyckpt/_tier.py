@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Retention",
+    "SupportsGlobalCommit",
     "SupportsStaging",
     "Tier",
     "available_tiers",
@@ -111,6 +112,10 @@ class Tier(abc.ABC):
                 f"tier name must be 1-64 letters, digits, '_', '.' or '-', got {self.name!r}"
             )
         self.retention = Retention(keep_last=keep_last, keep_every=keep_every)
+        # Which rank of how many this tier instance serves; set by a distributed
+        # Checkpointer before open(). Tiers that store per-rank data read these.
+        self.rank = 0
+        self.world_size = 1
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -172,6 +177,19 @@ class SupportsStaging(Protocol):
     def arena(self) -> HostArena: ...
 
     def adopt(self, manifest: Manifest, shard: ShardMeta, block: Block) -> None: ...
+
+
+@runtime_checkable
+class SupportsGlobalCommit(Protocol):
+    """A tier that can hold a snapshot written by several ranks.
+
+    With ``world_size > 1``, :meth:`Tier.commit` only makes *this rank's* part durable (its
+    manifest); the step becomes visible to ``steps()`` when :meth:`commit_global` writes the
+    commit record, which the engine does on every rank once all ranks' parts are durable.
+    ``read_manifest(step)`` then returns this tier's rank's manifest (``tier.rank``).
+    """
+
+    async def commit_global(self, step: int, world_size: int) -> None: ...
 
 
 def translate_os_error(exc: OSError, tier: str, what: str) -> TierError:

@@ -5,6 +5,9 @@ Layout under ``root``::
     step-000000000100/
         rank-00000.data     the snapshot's byte stream (shards at their stream offsets)
         manifest.json       the commit: present <=> the step is committed
+        rank-00001.data     with several ranks: each rank's stream,
+        rank-00001.json     each rank's manifest (durable before the commit), and
+                            manifest.json is then a small commit record naming world_size
 
 A shard is written with ``os.pwrite`` in multi-MiB pieces from a bounded thread pool and
 made durable with ``fdatasync`` before it counts as ON_LOCAL. The commit writes the
@@ -19,10 +22,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import json
 import mmap
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 from lazyckpt import (
@@ -132,7 +137,7 @@ class FileTier(Tier):
                 shutil.rmtree(entry, ignore_errors=True)  # a crash left it uncommitted
             elif entry.name.endswith(".tmp"):
                 entry.unlink(missing_ok=True)
-        for committed in self.root.glob(f"step-*/{MANIFEST}.tmp"):
+        for committed in self.root.glob("step-*/*.tmp"):
             committed.unlink(missing_ok=True)
 
     async def aclose(self) -> None:
@@ -223,6 +228,33 @@ class FileTier(Tier):
         fd = self._writing.pop(manifest.step, None)
         await self._run("commit", self._commit_sync, manifest, fd)
 
+    async def commit_global(self, step: int, world_size: int) -> None:
+        """Write the commit record of a step written by ``world_size`` ranks (idempotent)."""
+        record = json.dumps(
+            {"format": "lazyckpt-commit", "step": step, "world_size": world_size}
+        ).encode()
+        await self._run("commit", self._publish, self._dir(step), MANIFEST, record)
+
+    def _publish(self, d: Path, name: str, payload: bytes) -> None:
+        """Write ``payload`` to ``d/name`` atomically and durably (unique temp, fsync,
+        rename, fsync of the directory and the root)."""
+        tmp = d / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(wfd, view) :]
+            os.fsync(wfd)
+        finally:
+            os.close(wfd)
+        if name == MANIFEST:
+            hooks.point("file.commit.before_rename")
+        os.replace(tmp, d / name)
+        if name == MANIFEST:
+            hooks.point("file.commit.after_rename")
+        _fsync_dir(d)
+        _fsync_dir(self.root)
+
     def _commit_sync(self, manifest: Manifest, fd: int | None) -> None:
         d = self._dir(manifest.step)
         if fd is not None:
@@ -235,20 +267,10 @@ class FileTier(Tier):
         else:
             d.mkdir(parents=True, exist_ok=True)  # a snapshot without tensor data
         hooks.point("file.commit.before_manifest")
-        tmp = d / f"{MANIFEST}.tmp"
-        wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            payload = memoryview(manifest.to_json())
-            while payload:
-                payload = payload[os.write(wfd, payload) :]
-            os.fsync(wfd)
-        finally:
-            os.close(wfd)
-        hooks.point("file.commit.before_rename")
-        os.replace(tmp, d / MANIFEST)
-        hooks.point("file.commit.after_rename")
-        _fsync_dir(d)
-        _fsync_dir(self.root)
+        if manifest.world_size > 1:  # this rank's part only; the commit record comes later
+            self._publish(d, f"rank-{manifest.rank:05d}.json", manifest.to_json())
+        else:
+            self._publish(d, MANIFEST, manifest.to_json())
 
     async def abort(self, step: int) -> None:
         fd = self._writing.pop(step, None)
@@ -259,8 +281,15 @@ class FileTier(Tier):
 
     def _abort_sync(self, step: int) -> None:
         d = self._dir(step)
-        if not (d / MANIFEST).exists():
+        if (d / MANIFEST).exists():
+            return
+        if self.world_size == 1:
             shutil.rmtree(d, ignore_errors=True)
+            return
+        for suffix in (".data", ".json"):  # only this rank's part; others may still write
+            (d / f"rank-{self.rank:05d}{suffix}").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -288,6 +317,13 @@ class FileTier(Tier):
                 raise SnapshotNotFoundError(f"step {step} is not committed on {self.name!r}") from None
             raise
         assert isinstance(data, bytes)
+        if b'"lazyckpt-commit"' in data[:64]:  # several ranks: read this rank's manifest
+            path = self._dir(step) / f"rank-{self.rank:05d}.json"
+            try:
+                data = await self._run("read manifest", path.read_bytes)
+            except TierBrokenError as exc:
+                raise CorruptionError(f"{path} is missing from committed step {step}") from exc
+            assert isinstance(data, bytes)
         manifest = Manifest.from_json(data, source=f"{self.name}:{path}")
         if manifest.step != step:
             raise CorruptionError(f"{path} holds step {manifest.step}, not {step}")

@@ -1,0 +1,86 @@
+"""One rank of a multi-process test: ``python dist_worker.py SCENARIO ROOT OUT`` with RANK,
+WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT in the environment. Writes a JSON result."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import lazyckpt
+from lazyckpt import hooks
+from tiers import FileTier, HostMemoryTier
+
+
+def state_of(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"w": torch.randn(128, 96, generator=g), "bias": torch.randn(96, generator=g), "step": step}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
+
+
+async def run(scenario: str, root: Path, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"rank": rank}
+    chain = [HostMemoryTier(4 << 20), FileTier(root)]
+    options: dict[str, Any] = {"shard_size": 1 << 14, "deadline": 8.0, "retries": 0}
+    if scenario == "kill" and rank == 1:
+        seen = [0]
+
+        def die(point: str) -> None:
+            if point == "file.commit.before_manifest":
+                seen[0] += 1
+                if seen[0] == 3:  # during the commit of step 2
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        hooks.set_hook(die)
+    async with lazyckpt.Checkpointer(chain, **options) as ckpt:
+        if scenario in ("commit", "kill"):
+            errors = []
+            for step in range(3 if scenario == "kill" else 4):
+                handle = await ckpt.snapshot(state_of(rank, step), step=step)
+                t0 = time.monotonic()
+                try:
+                    await handle.committed()
+                except lazyckpt.SnapshotFailedError as exc:
+                    errors.append(
+                        {
+                            "step": step,
+                            "types": sorted({type(e).__name__ for e in exc.exceptions}),
+                            "seconds": time.monotonic() - t0,
+                        }
+                    )
+            result["errors"] = errors
+            if scenario == "kill":
+                return result  # the peer is gone: no more collectives
+        result["steps"] = await ckpt.steps()
+        restored = await ckpt.restore()
+        result["restored_step"] = restored["step"]
+        result["restored_ok"] = same(restored, state_of(rank, restored["step"]))
+        result["collectives"] = ckpt._core.engine.coordinator.collectives  # type: ignore[union-attr]
+    return result
+
+
+def main() -> None:
+    scenario, root, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    result = asyncio.run(run(scenario, root, rank))
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if scenario != "kill":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
