@@ -74,7 +74,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import crc32c
 import torch
@@ -113,6 +113,7 @@ __all__ = [
 
 GuardMode = Literal["cpu", "stream"]
 Sleep = Callable[[float], Awaitable[None]]
+_T = TypeVar("_T")
 
 # Bookkeeping kept per step (progress of its shards, its snapshot event) is bounded so that a
 # snapshot that failed half way cannot make it grow over a long run.
@@ -205,6 +206,21 @@ async def _wait_all_regardless(
                 cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+
+
+async def _in_pool(
+    pool: concurrent.futures.Executor | None, fn: Callable[..., _T], *args: Any
+) -> _T:
+    """``fn(*args)`` on a pool thread. A cancelled caller still waits for the thread to end
+    before re-raising: it reads or writes memory that is handed back once the caller ends."""
+    future = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future])
+        raise
 
 
 class InflightWindow:
@@ -593,7 +609,6 @@ class CudaCapture:
         staged = False
         admitted: list[_Lane] = []
         copies: list[_Copy] = []
-        loop = asyncio.get_running_loop()
         try:
             by_device: dict[int, list[Segment]] = {}
             host_segs: list[Segment] = []
@@ -618,7 +633,7 @@ class CudaCapture:
                     self._enqueue(job, lane, by_device[lane.device], copies)
                 gaps = _gaps(job)
                 if host_segs or gaps:
-                    await loop.run_in_executor(self._pool, _fill_host_part, job, host_segs, gaps)
+                    await _in_pool(self._pool, _fill_host_part, job, host_segs, gaps)
                 self._mark_staged(step)
                 staged = True
             finally:
@@ -628,7 +643,7 @@ class CudaCapture:
                 admitted.clear()
             if violation is not None:
                 raise violation
-            return await loop.run_in_executor(self._pool, _checksum, job.block)
+            return await _in_pool(self._pool, _checksum, job.block)
         finally:
             for lane in admitted:
                 lane.window.release()
@@ -861,7 +876,6 @@ async def restore_into(
     it may leave the targets partly restored; it returns only once no copy runs.
     """
     rt: DeviceRuntime = runtime if runtime is not None else TorchCudaRuntime()
-    loop = asyncio.get_running_loop()
     streams: dict[int, StreamLike] = {}
     # a flat-split tensor that is not contiguous has no writable flat view: fill a twin
     twins: dict[int, torch.Tensor] = {}
@@ -911,7 +925,7 @@ async def restore_into(
         try:
             enqueue(device_pairs, events)
             if host_pairs:
-                await loop.run_in_executor(None, _host_copies, host_pairs)
+                await _in_pool(None, _host_copies, host_pairs)
         finally:
             await _wait_all_regardless(events, poll, sleep)
 
@@ -934,7 +948,7 @@ async def restore_into(
                     data = rt.host_buffer(shard.length)
                     await tier.read_shard(manifest, shard, _bytes_of(data))
                 view = _bytes_of(data)
-                crc = await loop.run_in_executor(None, crc32c.crc32c, view)
+                crc = await _in_pool(None, crc32c.crc32c, view)
                 if crc != shard.crc32c:
                     raise CorruptionError(
                         f"tier {tier.name!r}: shard {shard.index} of step {manifest.step} "

@@ -40,6 +40,7 @@ from lazyckpt._cuda import (
     CudaCapture,
     InflightWindow,
     PollOptions,
+    _in_pool,
     resolve_guard_mode,
     restore_into,
     stream_guard_hook,
@@ -376,6 +377,25 @@ async def test_a_cancelled_waiter_does_not_leak_a_slot() -> None:
     assert window.held == 1
     with pytest.raises(ConfigurationError):
         InflightWindow(0)
+
+
+async def test_pool_work_outlives_a_cancelled_caller() -> None:
+    """Thread work writes into a block that goes back to the arena once the capture ends:
+    a cancelled capture must not end before its thread does."""
+    release = threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        task = asyncio.create_task(_in_pool(pool, release.wait, 10))
+        await settle_loop(0.05)
+        task.cancel()
+        await settle_loop(0.05)
+        assert not task.done()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        assert await _in_pool(pool, sum, [1, 2, 3]) == 6
+    finally:
+        pool.shutdown()
 
 
 # -- capture ----------------------------------------------------------------------------------
