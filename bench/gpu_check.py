@@ -522,6 +522,9 @@ def run_lazyckpt(
         runs["lazyckpt_stream"] = {"skipped": "needs CUDA: CPU tensors have no stream to order"}
     state_bytes = trainer.state_bytes()
     capacity = state_bytes + state_bytes // 8 + 64 * MiB
+    if trainer.device.type == "cuda":
+        # torch's caching host allocator pins the next power of two anyway: use all of it
+        capacity = 1 << (capacity - 1).bit_length()
     per_run = (args.warmup + args.iters) * runs["no_checkpoint"].get("iter_ms", 1000) / 1e3
     if budget.left() < 30 + per_run * 2:
         for mode in modes:

@@ -322,13 +322,13 @@ async def test_waiting_for_an_event_leaves_the_loop_free() -> None:
             ticks += 1
             await asyncio.sleep(0)
 
-    task = asyncio.create_task(ticker())
+    flow = asyncio.create_task(ticker())
     try:
         await wait_for_event(CountdownEvent(not_ready=6), PollOptions(first_s=1e-3, max_s=1e-3))
     finally:
-        task.cancel()
+        flow.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            await flow
     assert ticks >= 6
 
 
@@ -349,7 +349,7 @@ async def test_inflight_window_admits_in_arrival_order_and_bounds_holders() -> N
         window.release()
 
     gates = [asyncio.Event() for _ in range(6)]
-    tasks = [asyncio.create_task(worker(i, gates[i])) for i in range(6)]
+    flows = [asyncio.create_task(worker(i, gates[i])) for i in range(6)]
     await settle_loop()
     assert admitted == [0, 1]
     gates[1].set()
@@ -357,7 +357,7 @@ async def test_inflight_window_admits_in_arrival_order_and_bounds_holders() -> N
     assert admitted == [0, 1, 2]
     for gate in gates:
         gate.set()
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*flows)
     assert admitted == list(range(6))
     assert peak == window.peak == 2
     assert window.held == 0
@@ -385,14 +385,14 @@ async def test_pool_work_outlives_a_cancelled_caller() -> None:
     release = threading.Event()
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        task = asyncio.create_task(_in_pool(pool, release.wait, 10))
+        flow = asyncio.create_task(_in_pool(pool, release.wait, 10))
         await settle_loop(0.05)
-        task.cancel()
+        flow.cancel()
         await settle_loop(0.05)
-        assert not task.done()
+        assert not flow.done()
         release.set()
         with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(task, 5)
+            await asyncio.wait_for(flow, 5)
         assert await _in_pool(pool, sum, [1, 2, 3]) == 6
     finally:
         pool.shutdown()
@@ -439,14 +439,14 @@ async def test_the_checksum_waits_for_the_copy_to_complete(
     (job,) = make_jobs(manifest, refs, arena)
     capture = CudaCapture(runtime=rt)
     try:
-        task = asyncio.create_task(capture.capture(job))
+        flow = asyncio.create_task(capture.capture(job))
         await settle_loop(0.1)
-        assert not task.done()
+        assert not flow.done()
         (event,) = rt.copy_events
         assert event.queries >= 3  # polled, again and again, without blocking
         assert bytes(job.block.memoryview()[:16]) == b"\xab" * 16  # the "DMA" has not run
         rt.budget = None
-        crc = await asyncio.wait_for(task, 5)
+        crc = await asyncio.wait_for(flow, 5)
     finally:
         capture.close()
     assert crc == crc32c.crc32c(t.numpy().tobytes())
@@ -462,17 +462,17 @@ async def test_copies_in_flight_are_bounded_and_enqueued_in_shard_order(
     jobs = make_jobs(manifest, refs, arena)
     capture = CudaCapture(runtime=rt, max_inflight=3)
     try:
-        tasks = [asyncio.create_task(capture.capture(j)) for j in jobs]
+        flows = [asyncio.create_task(capture.capture(j)) for j in jobs]
         await settle_loop()
         assert len(rt.copy_events) == 3 and rt.outstanding == 3
         most = 0
-        while not all(task.done() for task in tasks):
+        while not all(flow.done() for flow in flows):
             rt.budget = 1  # let one copy finish
-            await until(lambda: rt.budget == 0 or all(task.done() for task in tasks))
+            await until(lambda: rt.budget == 0 or all(flow.done() for flow in flows))
             await settle_loop(0.01)
             most = max(most, rt.outstanding)
             assert rt.outstanding <= 3
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*flows)
     finally:
         capture.close()
     assert most == 3
@@ -505,12 +505,12 @@ async def test_a_tensor_changed_while_its_copy_runs_fails_the_capture(
     (job,) = make_jobs(manifest, refs, arena)
     capture = CudaCapture(runtime=rt)
     try:
-        task = asyncio.create_task(capture.capture(job))
+        flow = asyncio.create_task(capture.capture(job))
         await until(lambda: len(rt.copy_events) == 1)
         t.add_(1)  # no guard: the optimizer would race the copy
         rt.budget = None
         with pytest.raises(ImmutabilityViolationError, match="'t'"):
-            await asyncio.wait_for(task, 5)
+            await asyncio.wait_for(flow, 5)
         lane = capture._lanes[0]
         assert lane.window.held == 0 and not lane.queue
     finally:
@@ -574,14 +574,14 @@ async def test_a_cancelled_capture_returns_only_after_its_copy_completes(
     (job,) = make_jobs(manifest, refs, arena)
     capture = CudaCapture(runtime=rt)
     try:
-        task = asyncio.create_task(capture.capture(job))
+        flow = asyncio.create_task(capture.capture(job))
         await until(lambda: len(rt.copy_events) == 1)
-        task.cancel()
+        flow.cancel()
         await settle_loop()
-        assert not task.done()  # the block is still a DMA target: it must not be reused yet
+        assert not flow.done()  # the block is still a DMA target: it must not be reused yet
         rt.budget = None
         with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(task, 5)
+            await asyncio.wait_for(flow, 5)
         assert rt.outstanding == 0
         assert capture._lanes[0].window.held == 0
     finally:
@@ -625,21 +625,21 @@ async def test_the_fence_orders_the_compute_stream_without_waiting_for_the_copy(
     flight = FakeFlight(manifest)
     capture = CudaCapture(runtime=rt)
     try:
-        tasks = await start_all(capture, jobs)
+        flows = await start_all(capture, jobs)
         await until(lambda: len(rt.copy_events) == 3)
         t0 = time.perf_counter()
         waited = await asyncio.to_thread(capture.fence, [flight])
         assert time.perf_counter() - t0 < 1.0 and waited == 1
         assert rt.compute[0].log == [("wait_event", rt.copy_events[-1])]
-        device_tasks = [
-            task for task, job in zip(tasks, jobs, strict=True) if job.shard.kind == "chunk"
+        device_flows = [
+            flow for flow, job in zip(flows, jobs, strict=True) if job.shard.kind == "chunk"
         ]
-        assert not any(task.done() for task in device_tasks)  # the CPU went on, the copies run
+        assert not any(flow.done() for flow in device_flows)  # the CPU went on, the copies run
         assert capture.pending_events() == [(0, rt.copy_events[-1])]
         t.add_(0)  # the optimizer step, issued after the fence: the GPU runs it after the copy
         step_count.add_(1)
         rt.budget = None
-        crcs = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        crcs = await asyncio.wait_for(asyncio.gather(*flows), 5)
     finally:
         capture.close()
     assert len(crcs) == len(manifest.shards)
@@ -654,13 +654,13 @@ async def test_a_change_issued_before_the_fence_still_fails_the_snapshot(
     jobs = make_jobs(manifest, refs, arena)
     capture = CudaCapture(runtime=rt)
     try:
-        (task,) = await start_all(capture, jobs)
+        (flow,) = await start_all(capture, jobs)
         await until(lambda: len(rt.copy_events) == 1)
         t.add_(0)  # issued after the copy was enqueued, before the fence: it may race
         await asyncio.to_thread(capture.fence, [FakeFlight(manifest)])
         rt.budget = None
         with pytest.raises(ImmutabilityViolationError, match="'t'"):
-            await asyncio.wait_for(task, 5)
+            await asyncio.wait_for(flow, 5)
     finally:
         capture.close()
 
@@ -721,7 +721,7 @@ async def test_stream_guard_hook_fences_from_an_optimizer_step(
         )
     )
     try:
-        (task,) = await start_all(capture, jobs)
+        (flow,) = await start_all(capture, jobs)
         await until(lambda: len(rt.copy_events) == 1)
         param.grad = torch.ones(3)
         await asyncio.to_thread(opt.step)
@@ -732,7 +732,7 @@ async def test_stream_guard_hook_fences_from_an_optimizer_step(
         await asyncio.to_thread(opt.step)
         assert len(rt.compute[0].log) == 1 and reported == [1]
         rt.budget = None
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(flow, 5)
     finally:
         handle.remove()
         capture.close()
@@ -873,14 +873,14 @@ async def test_restore_fills_device_and_host_targets_in_place_from_a_good_copy(
     bad = BytesTier("bad", shards, corrupt=True)
     good = BytesTier("good", shards)
     rt.budget = 0
-    task = asyncio.create_task(
+    flow = asyncio.create_task(
         restore_into(manifest, [bad, good], targets, runtime=rt, concurrency=64)
     )
     await until(lambda: len(rt.copy_events) == len(manifest.shards) - 1)  # "host" has no copy
     await settle_loop()
-    assert not task.done()  # it returns only once the device copies are complete
+    assert not flow.done()  # it returns only once the device copies are complete
     rt.budget = None
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(flow, 5)
     assert bad.reads == good.reads == len(manifest.shards)
     for meta, target in zip(manifest.tensors, targets, strict=True):
         assert target is not None
@@ -898,14 +898,14 @@ async def test_restore_from_a_lending_tier_returns_each_block_after_its_copy(
     lending = LendingTier("host", arena, shards)
     targets = [rt.to_device(torch.zeros(m.shape, dtype=m.torch_dtype)) for m in manifest.tensors]
     rt.budget = 0
-    task = asyncio.create_task(
+    flow = asyncio.create_task(
         restore_into(manifest, [lending], targets, runtime=rt, concurrency=64)
     )
     await until(lambda: len(rt.copy_events) == len(manifest.shards))
     await settle_loop()
     assert lending.lent == len(manifest.shards) and lending.returned == 0
     rt.budget = None
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(flow, 5)
     assert lending.returned == lending.lent
     assert torch.equal(targets[0], source["a"]) and torch.equal(targets[1], source["b"])
 

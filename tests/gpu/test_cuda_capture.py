@@ -183,7 +183,7 @@ def test_restore_into_cuda_tensors_in_place(tmp_path: Path) -> None:
             assert torch.equal(model.state_dict()[key], value), key
         assert torch.equal(odd, expected_odd)
 
-        # straight through the CUDA helper: once from the host arena, once from the file
+        # straight through restore_into: once from the host arena, once from the file
         engine = ckpt._core.engine
 
         async def from_tiers(sources: list[Any]) -> None:
