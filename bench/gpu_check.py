@@ -220,6 +220,10 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        # freed pinned memory stays in torch's host cache; the next phase pins its own
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty_cache is not None:
+            host_empty_cache()
 
 
 # -- phase 1: tests -------------------------------------------------------------------------
