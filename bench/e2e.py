@@ -81,10 +81,10 @@ class E2EConfig:
             model=GPTConfig(vocab_size=8192, block_size=128, n_layer=12, n_head=12, n_embd=768),
             batch=1,
             seq=64,
-            iters_every1=6,
+            iters_every1=8,
             every_k=8,
-            iters_every_k=24,
-            reps=2,
+            iters_every_k=16,
+            reps=3,
         )
 
     @staticmethod
@@ -124,8 +124,7 @@ class _Method:
         self.model = model
         self.opt = opt
         self.ckpt_bytes = ckpt_bytes
-        self.stalls: list[float] = []  # one per checkpoint, filled by the loop
-        self.pre_step_wait = 0.0  # time blocked before optimizer.step() since the last read
+        self.extra: dict[str, Any] = {}  # method-specific figures for the trial's record
 
     def setup(self) -> None: ...
 
@@ -254,8 +253,20 @@ class _Lazy(_Method):
     def drain(self) -> None:
         if self.last is not None:
             self.last.wait("committed")
+        # the library's own view of each snapshot: every one must have committed (a failed
+        # one would have raised already; this makes it explicit), and where its time went
+        stats = [h.stats for h in self.handles if h.stats is not None]
+        self.extra = {
+            "committed": sum(h.state() == "committed" for h in self.handles),
+            "capture_s": summarize([s.capture_s for s in stats if s.capture_s is not None]),
+            "to_file_s": summarize([s.reached_s["file"] for s in stats if "file" in s.reached_s]),
+            "guard_s": summarize([s.guard_s for s in stats]),
+        }
 
     def teardown(self) -> None:
+        self.extra["metrics"] = {
+            k: v for k, v in self.ckpt.metrics().items() if k in ("tiers", "arena")
+        }
         self.ckpt.close()
 
 
@@ -331,6 +342,7 @@ def _trial(
         "rss_before_mib": rss_before / 1024,
         "peak_rss_mib": peak_kib / 1024,
         "loss": float(loss.detach()),
+        **({"lazyckpt": method.extra} if method.extra else {}),
     }
 
 
@@ -452,4 +464,12 @@ def _summarize_config(per_method: dict[str, list[dict[str, Any]]]) -> dict[str, 
             "rss_before_mib": summarize([r["rss_before_mib"] for r in runs]),
             "setup_s": summarize([r["setup_s"] for r in runs]),
         }
+        lazy = [r["lazyckpt"] for r in runs if "lazyckpt" in r]
+        if lazy:
+            out[name]["lazyckpt"] = {
+                "committed": sum(x["committed"] for x in lazy),
+                "capture_s_median": [x["capture_s"].get("median") for x in lazy],
+                "to_file_s_median": [x["to_file_s"].get("median") for x in lazy],
+                "arena_waits": sum(x["metrics"]["arena"]["waits"] for x in lazy),
+            }
     return out

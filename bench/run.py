@@ -53,6 +53,28 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def code_version() -> dict[str, Any]:
+    """Which library code was measured: the commit, and whether the library's files had
+    uncommitted changes at the time (figures from a dirty tree say so)."""
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    import lazyckpt
+
+    return {
+        "lazyckpt": lazyckpt.__version__,
+        "commit": git("rev-parse", "--short=12", "HEAD") or None,
+        "library_dirty": bool(git("status", "--porcelain", "--", "lazyckpt", "tiers")),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the selected benchmarks and return the results document."""
     import micro
@@ -71,6 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": info,
         "date": dt.date.today().isoformat(),
         "quick": quick,
+        "code": code_version(),
         "conditions": {"loadavg_start": loadavg()},
         "results": {},
     }
