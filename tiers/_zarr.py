@@ -253,15 +253,20 @@ def plan_snapshot(manifest: Manifest, pack_chunk_bytes: int) -> _Plan:
             raise CorruptionError(f"chunk shard {shard.index} holds {len(shard.segments)} pieces")
         (seg,) = shard.segments
         meta = manifest.tensors[seg.tensor]
-        if meta.mode not in ("rows", "flat") or shard.index not in meta.shards:
-            raise CorruptionError(f"shard {shard.index} does not belong to {meta.key!r}")
+        i = seg.start // meta.chunk if meta.chunk else -1  # the chunk's index in its array
+        if (
+            meta.mode not in ("rows", "flat")
+            or not 0 <= i < len(meta.shards)
+            or meta.shards[i] != shard.index
+            or seg.start != i * meta.chunk
+        ):
+            raise CorruptionError(f"shard {shard.index} is not a chunk of {meta.key!r}")
         if shard.length != manifest.segment_nbytes(seg):
             raise CorruptionError(
                 f"shard {shard.index} claims {shard.length} bytes but holds "
                 f"{manifest.segment_nbytes(seg)} of {meta.key!r}"
             )
         _, chunks = _chunk_shape(meta)
-        i = meta.shards.index(shard.index)
         targets[shard.index] = _ChunkTarget(
             f"{prefix}/{paths[seg.tensor]}/{_chunk_key(meta, i)}",
             math.prod(chunks) * np.dtype(storage_dtype(meta)).itemsize,
@@ -340,12 +345,11 @@ def _documents(plan: _Plan) -> dict[str, bytes]:
 def _pack_document(plan: _Plan) -> bytes:
     m, geometry = plan.manifest, plan.pack
     assert geometry is not None
-    slots = {t.slot: t for t in plan.targets if isinstance(t, _PackTarget)}
-    slot_of_shard = {}
-    for shard in m.shards:
-        target = plan.targets[shard.index]
-        if isinstance(target, _PackTarget):
-            slot_of_shard[shard.index] = target.slot
+    slot_of_shard = {
+        shard.index: target.slot
+        for shard, target in zip(m.shards, plan.targets, strict=True)
+        if isinstance(target, _PackTarget)
+    }
     index: dict[str, Any] = {}
     for t, meta in enumerate(m.tensors):
         source = m.tensors[meta.alias_of] if meta.alias_of is not None else meta
@@ -365,7 +369,7 @@ def _pack_document(plan: _Plan) -> bytes:
         {
             "zarr_format": 3,
             "node_type": "array",
-            "shape": [len(slots) * geometry.shard_bytes],
+            "shape": [len(geometry.lengths) * geometry.shard_bytes],
             "data_type": "uint8",
             "chunk_grid": {
                 "name": "regular",
@@ -450,13 +454,6 @@ def _join(parts: Iterable[memoryview]) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return out
 
 
-def _encoded_chunk(
-    data: memoryview, crc: int | None, chunk_bytes: int
-) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """A chunk object in one buffer (for stores that take one)."""
-    return _join(_chunk_parts(data, crc, chunk_bytes))
-
-
 def _encode_pack_shard(data: memoryview, geometry: _PackGeometry) -> np.ndarray[Any, Any]:
     """A pack shard as a zarr ``sharding_indexed`` object: inner chunks (data + crc32c), then
     the index of (offset, nbytes) pairs and its crc32c. Chunks past the data are left out."""
@@ -525,7 +522,14 @@ class _S3Settings:
 
     @property
     def secrets(self) -> tuple[str, ...]:
-        return tuple(s for s in (self.secret_access_key, self.session_token) if s)
+        found = (self.access_key_id, self.secret_access_key, self.session_token)
+        return tuple(s for s in found if s)
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every credential replaced by ``***``."""
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return text
 
     @property
     def public_endpoint(self) -> str | None:
@@ -618,7 +622,9 @@ def _s3_store(
             },
         )
     except Exception as exc:
-        raise ConfigurationError(f"bad S3 configuration for bucket {s.bucket!r}: {exc}") from None
+        raise ConfigurationError(
+            f"bad S3 configuration for bucket {s.bucket!r}: {s.scrub(str(exc))[:300]}"
+        ) from None
     return ObjectStore(backend)
 
 
@@ -739,6 +745,7 @@ class ZarrTier(Tier):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._plans: dict[int, _Plan] = {}
         self._begun: set[int] = set()
+        self._unsynced: dict[int, set[str]] = {}  # step -> directories to sync at commit
         self._geometry: dict[int, _PackGeometry] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests = asyncio.Semaphore(concurrency)
@@ -781,10 +788,10 @@ class ZarrTier(Tier):
 
     def _summary(self, exc: BaseException) -> str:
         """The first line of a backend error, without anything secret."""
-        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        for secret in self._s3.secrets if self._s3 is not None else ():
-            text = text.replace(secret, "***")
-        return f"{type(exc).__name__}: {text}"
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if self._s3 is not None:
+            text = self._s3.scrub(text)
+        return f"{type(exc).__name__}: {text[:300]}"
 
     async def _request(self, aw: Awaitable[T]) -> T:
         async with self._requests:
@@ -817,6 +824,23 @@ class ZarrTier(Tier):
 
     async def _put(self, key: str, data: bytes) -> None:
         await self._request(self._store.set(key, CpuBuffer.from_bytes(data)))
+
+    async def _put_unpublished(self, step: int, key: str, parts: list[memoryview]) -> None:
+        """Write an object of a snapshot that is not committed yet: on a path its directory
+        entries are synced once, at commit, instead of with every object."""
+        if isinstance(self._store, DurableLocalStore):
+            pending = self._unsynced.setdefault(step, set())
+            await self._request(self._store.write_parts(key, parts, unpublished=pending))
+        elif len(parts) == 1:
+            await self._request(self._store.set(key, CpuBuffer.from_bytes(parts[0])))
+        else:
+            joined = await self._cpu(_join, parts)
+            await self._request(self._store.set(key, CpuBuffer.from_array_like(joined)))
+
+    async def _put_documents(self, plan: _Plan) -> None:
+        step = plan.manifest.step
+        docs = _documents(plan)
+        await self._all(self._put_unpublished(step, k, [memoryview(v)]) for k, v in docs.items())
 
     def _plan(self, manifest: Manifest) -> _Plan:
         plan = self._plans.get(manifest.step)
@@ -922,7 +946,8 @@ class ZarrTier(Tier):
             plan = self._plan(manifest)
             self._geometry.pop(manifest.step, None)
             await self._store.delete_dir(plan.prefix)  # leftovers of an earlier attempt
-            await self._all(self._put(k, v) for k, v in _documents(plan).items())
+            self._unsynced.pop(manifest.step, None)
+            await self._put_documents(plan)
             self._begun.add(manifest.step)
 
     async def put_shard(self, manifest: Manifest, shard: ShardMeta, data: memoryview) -> None:
@@ -934,21 +959,21 @@ class ZarrTier(Tier):
             plan = self._plan(manifest)
             target = plan.targets[shard.index]
             if isinstance(target, _ChunkTarget):
-                if isinstance(self._store, DurableLocalStore):  # zero copy: written in pieces
-                    parts = await self._cpu(_chunk_parts, data, shard.crc32c, target.chunk_bytes)
-                    await self._request(self._store.write_parts(target.key, parts))
-                    return
-                encoded = await self._cpu(_encoded_chunk, data, shard.crc32c, target.chunk_bytes)
+                # data, padding and crc go out as pieces: no copy where the store takes them
+                parts = await self._cpu(_chunk_parts, data, shard.crc32c, target.chunk_bytes)
             else:
                 assert plan.pack is not None
-                encoded = await self._cpu(_encode_pack_shard, data, plan.pack)
-            await self._request(self._store.set(target.key, CpuBuffer.from_array_like(encoded)))
+                parts = [memoryview(await self._cpu(_encode_pack_shard, data, plan.pack))]
+            await self._put_unpublished(manifest.step, target.key, parts)
 
     async def commit(self, manifest: Manifest) -> None:
         with self._backend("commit"):
             plan = self._plan(manifest)
             if manifest.step not in self._begun:  # committed without begin(): metadata owed
-                await self._all(self._put(k, v) for k, v in _documents(plan).items())
+                await self._put_documents(plan)
+            if isinstance(self._store, DurableLocalStore):
+                # kept until done: a commit that fails here and is retried syncs them again
+                await self._store.sync_directories(self._unsynced.get(manifest.step, ()))
             attributes = {
                 "lazyckpt": {
                     "format_version": FORMAT_VERSION,
@@ -963,6 +988,7 @@ class ZarrTier(Tier):
             await self._put(f"{plan.prefix}/zarr.json", _group_doc(attributes))
             await self._update_index(add=manifest.step)
             self._begun.discard(manifest.step)
+            self._unsynced.pop(manifest.step, None)
             if plan.pack is not None:
                 self._geometry[manifest.step] = plan.pack
 
@@ -970,6 +996,7 @@ class ZarrTier(Tier):
         with self._backend("abort"):
             self._plans.pop(step, None)
             self._begun.discard(step)
+            self._unsynced.pop(step, None)
             if step not in self._committed(await self._read_root()):
                 await self._store.delete_dir(_step_prefix(step))
 
@@ -1052,4 +1079,5 @@ class ZarrTier(Tier):
             await self._update_index(remove=step)  # un-commit first
             self._geometry.pop(step, None)
             self._plans.pop(step, None)
+            self._unsynced.pop(step, None)
             await self._store.delete_dir(_step_prefix(step))

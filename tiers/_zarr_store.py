@@ -21,7 +21,7 @@ import re
 import secrets
 import shutil
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, MutableSet, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -50,6 +50,12 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
+    for part in parts:
+        while part:
+            part = part[os.write(fd, part) :]
 
 
 def _check_byte_range(byte_range: ByteRequest | None) -> None:
@@ -270,7 +276,15 @@ class DurableLocalStore(Store):
 
     # -- writing -------------------------------------------------------------------------
 
-    def _make_dirs(self, directory: Path) -> None:
+    def _changed(self, directory: Path, unpublished: MutableSet[str] | None) -> None:
+        """A directory's entries changed: sync it now, or leave it to the caller."""
+        if unpublished is None:
+            _fsync_dir(directory)
+        else:
+            rel = directory.relative_to(self.root).as_posix()
+            unpublished.add("" if rel == "." else rel)
+
+    def _make_dirs(self, directory: Path, unpublished: MutableSet[str] | None) -> None:
         missing: list[Path] = []
         d = directory
         while not d.is_dir():
@@ -281,19 +295,35 @@ class DurableLocalStore(Store):
         for d in reversed(missing):
             with contextlib.suppress(FileExistsError):
                 d.mkdir()
-            _fsync_dir(d.parent)  # the new entry must survive a crash too
+            self._changed(d.parent, unpublished)  # the new entry must survive a crash too
 
-    def _write(self, key: str, parts: Sequence[memoryview], exclusive: bool) -> None:
+    def _write(
+        self,
+        key: str,
+        parts: Sequence[memoryview],
+        *,
+        exclusive: bool = False,
+        unpublished: MutableSet[str] | None = None,
+    ) -> None:
         path = self._path(key)
         directory = path.parent
-        self._make_dirs(directory)
+        self._make_dirs(directory, unpublished)
+        if unpublished is not None:
+            # Nobody reads this key before the caller's own commit point, so it is written
+            # in place; only its data is synced here, its directory entry at that point.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+            try:
+                _write_all(fd, parts)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            self._changed(directory, unpublished)
+            return
         tmp = directory / f".{path.name}.{secrets.token_hex(8)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
         try:
             try:
-                for part in parts:
-                    while part:
-                        part = part[os.write(fd, part) :]
+                _write_all(fd, parts)
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
@@ -315,25 +345,43 @@ class DurableLocalStore(Store):
         if not isinstance(value, Buffer):
             raise TypeError(f"DurableLocalStore.set takes a zarr Buffer, got {type(value)}")
         await self._ensure_open()
-        await self._run(self._write, key, [memoryview(value.as_buffer_like()).cast("B")], False)
+        await self._run(self._write, key, [memoryview(value.as_buffer_like()).cast("B")])
 
     def set_sync(self, key: str, value: Buffer) -> None:
         """Blocking :meth:`set`."""
         self._check_writable()
-        self._write(key, [memoryview(value.as_buffer_like()).cast("B")], False)
+        self._write(key, [memoryview(value.as_buffer_like()).cast("B")])
 
     async def set_if_not_exists(self, key: str, value: Buffer) -> None:
         """Store ``value`` at ``key`` unless ``key`` exists (atomic: two writers, one wins)."""
         self._check_writable()
         await self._ensure_open()
-        await self._run(self._write, key, [memoryview(value.as_buffer_like()).cast("B")], True)
+        await self._run(
+            self._write, key, [memoryview(value.as_buffer_like()).cast("B")], exclusive=True
+        )
 
-    async def write_parts(self, key: str, parts: Sequence[memoryview]) -> None:
-        """Like :meth:`set` with the object given as consecutive pieces, written without
-        joining them first (one copy fewer for large chunks)."""
+    async def write_parts(
+        self, key: str, parts: Sequence[memoryview], *, unpublished: MutableSet[str] | None = None
+    ) -> None:
+        """Like :meth:`set`, with the object given as consecutive pieces (written without
+        joining them: one copy fewer for large chunks).
+
+        With ``unpublished`` (for a writer with a commit point of its own, such as
+        ``ZarrTier``), the object is written in place instead of through a temporary name,
+        its data is synced before this returns, and the directories whose entries changed
+        are added to ``unpublished`` rather than synced: pass them to
+        :meth:`sync_directories` before publishing anything that points to the object. A
+        snapshot's directories are then synced once each instead of once per object.
+        """
         self._check_writable()
         await self._ensure_open()
-        await self._run(self._write, key, parts, False)
+        await self._run(self._write, key, parts, unpublished=unpublished)
+
+    async def sync_directories(self, directories: Iterable[str]) -> None:
+        """``fsync`` each directory (keys relative to root; ``""`` is root itself)."""
+        await asyncio.gather(
+            *(self._run(_fsync_dir, self._prefix_dir(d)) for d in sorted(set(directories)))
+        )
 
     # -- deleting ------------------------------------------------------------------------
 
