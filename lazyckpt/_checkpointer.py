@@ -21,7 +21,7 @@ from ._errors import (
     SnapshotNotFoundError,
 )
 from ._manifest import LayoutOptions, plan_layout
-from ._restore import VerifyReport, read_manifest, restore_state, verify_step
+from ._restore import VerifyReport, restore_state, verify_step
 from ._tier import SupportsStaging, Tier
 from ._tree import walk_state
 
@@ -222,6 +222,12 @@ class _Core:
             )
             return SnapshotHandle(self.engine, None, step)
         tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
+        if any(r.dist is not None for r in refs):
+            # imported here: only distributed (DTensor / Replicated) state needs it
+            from ._dtensor import SupportsRankManifests, assign_writers
+
+            dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
+            assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
         manifest = plan_layout(
             step,
             tree,
@@ -274,10 +280,24 @@ class _Core:
             if not agreed:
                 raise SnapshotNotFoundError("no step is committed on every rank")
             step = agreed[-1]
-        manifest, sources, _problems = await read_manifest(self.engine.tiers, step)
+        from ._dtensor import needs_resharding, read_base_manifest, restore_resharded
+
+        rank, world = self.engine.rank, self.engine.world_size
+        manifest, sources = await read_base_manifest(self.engine.tiers, step, rank, world)
         protected = self.engine.protected
         protected[manifest.step] = protected.get(manifest.step, 0) + 1
         try:
+            if needs_resharding(manifest, into, rank, world):
+                return await restore_resharded(
+                    manifest,
+                    sources,
+                    self.engine.tiers,
+                    rank=rank,
+                    world_size=world,
+                    into=into,
+                    map_location=map_location,
+                    allow_pickle=self.options.allow_pickle,
+                )
             return await restore_state(
                 manifest,
                 sources,

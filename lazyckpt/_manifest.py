@@ -12,6 +12,11 @@ most ``shard_size`` bytes long. A shard is either
   single row is larger than a shard, a run of flat elements (``flat``). Chunks of one tensor
   are equal in size but for the last, so a chunk is exactly a regular Zarr chunk.
 
+A tensor of a distributed state (the local chunk of a DTensor, or a tensor marked
+replicated) also records where it lies in the global tensor (``global_shape``,
+``global_offset``, ``placements``). A replicated tensor is stored by one rank only (its
+``writer``); the other ranks' manifests hold it in mode ``replica``, with no bytes.
+
 A file tier writes the stream as it is (one data file per snapshot per rank); an object
 store tier writes each shard as one object. Nothing in the layout depends on the tier.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -46,11 +52,13 @@ __all__ = [
     "plan_layout",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this lazyckpt reads; 2 added the distributed fields
 SHARD_ALIGN = 4096
 PACK_ALIGN = 64
 
-Mode = Literal["pack", "rows", "flat", "alias", "empty"]
+Mode = Literal["pack", "rows", "flat", "alias", "empty", "replica"]
+_MODES = ("pack", "rows", "flat", "alias", "empty", "replica")
+_PLACEMENT = re.compile(r"^(replicate|shard\((\d{1,3})\))$")
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,10 @@ class TensorMeta:
     chunk: int = 0
     offset: int = 0
     alias_of: int | None = None
+    global_shape: tuple[int, ...] | None = None
+    global_offset: tuple[int, ...] | None = None
+    placements: tuple[str, ...] | None = None
+    writer: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -177,7 +189,9 @@ class Manifest:
         """Encode as UTF-8 JSON (stable key order)."""
         doc = {
             "format": "lazyckpt",
-            "format_version": FORMAT_VERSION,
+            # the oldest version that can express it, so older readers keep reading
+            # checkpoints that use nothing newer
+            "format_version": 2 if any(t.placements for t in self.tensors) else 1,
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
@@ -185,19 +199,7 @@ class Manifest:
             "stream_bytes": self.stream_bytes,
             "pickled": self.pickled,
             "extra": self.extra,
-            "tensors": [
-                {
-                    "key": t.key,
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "mode": t.mode,
-                    "shards": list(t.shards),
-                    "chunk": t.chunk,
-                    "offset": t.offset,
-                    "alias_of": t.alias_of,
-                }
-                for t in self.tensors
-            ],
+            "tensors": [_tensor_doc(t) for t in self.tensors],
             "shards": [
                 {
                     "index": s.index,
@@ -227,6 +229,27 @@ class Manifest:
             raise CorruptionError(f"{source} is damaged: {exc!r:.200}") from exc
 
 
+def _tensor_doc(t: TensorMeta) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "key": t.key,
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "mode": t.mode,
+        "shards": list(t.shards),
+        "chunk": t.chunk,
+        "offset": t.offset,
+        "alias_of": t.alias_of,
+    }
+    if t.placements is not None:  # absent otherwise: plain manifests stay as they were
+        assert t.global_shape is not None and t.global_offset is not None
+        doc["global_shape"] = list(t.global_shape)
+        doc["global_offset"] = list(t.global_offset)
+        doc["placements"] = list(t.placements)
+    if t.writer is not None:
+        doc["writer"] = t.writer
+    return doc
+
+
 def _int(doc: Any, key: str, *, minimum: int = 0) -> int:
     v = doc[key]
     if type(v) is not int or v < minimum:
@@ -252,7 +275,7 @@ def _decode_manifest(doc: Any) -> Manifest:
         if any(type(d) is not int or d < 0 for d in shape):
             raise CorruptionError(f"bad shape {shape!r:.60}")
         dtype_from_name(t["dtype"])
-        if t["mode"] not in ("pack", "rows", "flat", "alias", "empty"):
+        if t["mode"] not in _MODES:
             raise CorruptionError(f"bad tensor mode {t['mode']!r:.20}")
         alias = t["alias_of"]
         if alias is not None and (type(alias) is not int or not 0 <= alias < len(tensors)):
@@ -269,6 +292,7 @@ def _decode_manifest(doc: Any) -> Manifest:
                 chunk=_int(t, "chunk"),
                 offset=_int(t, "offset"),
                 alias_of=alias,
+                **_decode_dist(t, shape),
             )
         )
     shards = []
@@ -319,11 +343,42 @@ def _decode_manifest(doc: Any) -> Manifest:
     for t in manifest.tensors:
         if any(s >= len(shards) for s in t.shards):
             raise CorruptionError(f"tensor {t.key!r} names a missing shard")
+        if (t.mode == "replica") != (t.writer is not None) or (
+            t.writer is not None and (t.writer >= manifest.world_size or t.writer == manifest.rank)
+        ):
+            raise CorruptionError(f"tensor {t.key!r}: bad replica writer {t.writer!r}")
     for s in manifest.shards:
         for g in s.segments:
             if g.offset + manifest.segment_nbytes(g) > s.length:
                 raise CorruptionError(f"shard {s.index}: a segment overruns the shard")
     return manifest
+
+
+def _decode_dist(t: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
+    """The optional distributed fields of a tensor entry, validated."""
+    found: dict[str, Any] = {}
+    if "writer" in t:
+        found["writer"] = _int(t, "writer")
+    if "placements" not in t:
+        return found
+    gshape, goffset, placements = t["global_shape"], t["global_offset"], t["placements"]
+    for dims in (gshape, goffset):
+        if not isinstance(dims, list) or len(dims) != len(shape):
+            raise CorruptionError(f"tensor {t['key']!r}: global shape/offset rank mismatch")
+        if any(type(d) is not int or d < 0 for d in dims):
+            raise CorruptionError(f"tensor {t['key']!r}: bad global shape/offset")
+    if any(o + n > g for o, n, g in zip(goffset, shape, gshape, strict=True)):
+        raise CorruptionError(f"tensor {t['key']!r}: its chunk lies outside the global tensor")
+    if not isinstance(placements, list) or len(placements) != 1:
+        raise CorruptionError(f"tensor {t['key']!r}: bad placements {placements!r:.40}")
+    for p in placements:
+        m = _PLACEMENT.match(p) if isinstance(p, str) else None
+        if m is None or (m.group(2) is not None and int(m.group(2)) >= len(shape)):
+            raise CorruptionError(f"tensor {t['key']!r}: bad placement {p!r:.40}")
+    found.update(
+        global_shape=tuple(gshape), global_offset=tuple(goffset), placements=tuple(placements)
+    )
+    return found
 
 
 def _align(n: int, a: int) -> int:
@@ -370,6 +425,9 @@ def plan_layout(
         if ref.alias_of is not None:
             metas.append(TensorMeta(ref.key, dtype, shape, "alias", alias_of=ref.alias_of))
             continue
+        if ref.dist is not None and ref.dist.writer not in (None, rank):
+            metas.append(TensorMeta(ref.key, dtype, shape, "replica", writer=ref.dist.writer))
+            continue
         if nbytes == 0:
             metas.append(TensorMeta(ref.key, dtype, shape, "empty"))
             continue
@@ -408,6 +466,14 @@ def plan_layout(
             cursor = _align(cursor + length, SHARD_ALIGN)
         metas.append(TensorMeta(ref.key, dtype, shape, mode, tuple(indices), chunk=per))
     close_pack()
+    for i, ref in enumerate(refs):
+        if ref.dist is not None:
+            metas[i] = replace(
+                metas[i],
+                global_shape=ref.dist.global_shape,
+                global_offset=ref.dist.global_offset,
+                placements=ref.dist.placements,
+            )
     return Manifest(
         step=step,
         tree=tree,

@@ -97,9 +97,12 @@ class _Destinations:
         self.manifest = manifest
         self.device = torch.device(map_location) if map_location is not None else None
         targets: dict[str, torch.Tensor] = {}
+        self.wrappers: dict[int, torch.Tensor] = {}  # tensor index -> DTensor target
+        dtensors: dict[str, torch.Tensor] = {}
         if into is not None:
             _, refs = walk_state(into, allow_pickle=False, lenient=True)
-            targets = {r.key: r.tensor for r in refs}
+            targets = {r.key: r.tensor for r in refs}  # a DTensor's local chunk
+            dtensors = {r.key: r.dtensor for r in refs if r.dtensor is not None}
         self.final: list[torch.Tensor | None] = []
         self.staging: list[torch.Tensor | None] = []  # contiguous CPU tensor read into
         for meta in manifest.tensors:
@@ -115,6 +118,8 @@ class _Destinations:
                     f"into[{meta.key!r}] is {target.dtype}{list(target.shape)} but the "
                     f"checkpoint has {meta.dtype}{list(meta.shape)}"
                 )
+            if meta.key in dtensors:  # its local chunk is filled; the state holds the DTensor
+                self.wrappers[len(self.final)] = dtensors[meta.key]
             if target is not None:
                 final = target.detach()
                 direct = final.device.type == "cpu" and final.is_contiguous()
@@ -138,7 +143,7 @@ class _Destinations:
                 final.copy_(staging)
             elif self.device is not None and self.device != final.device:
                 final = final.to(self.device)
-            out.append(final)
+            out.append(self.wrappers.get(i, final))
         return out
 
 

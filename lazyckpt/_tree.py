@@ -34,12 +34,15 @@ import math
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from ._errors import CorruptionError, UnsupportedStateError
+
+if TYPE_CHECKING:
+    from ._dtensor import DistInfo
 
 __all__ = ["Stateful", "TensorRef", "decode_tree", "dtype_from_name", "dtype_name", "walk_state"]
 
@@ -83,12 +86,19 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass
 class TensorRef:
-    """A tensor found in the state, with what ``snapshot()`` recorded about it."""
+    """A tensor found in the state, with what ``snapshot()`` recorded about it.
+
+    For a DTensor, ``tensor`` is its local chunk (a view), ``dtensor`` the DTensor itself and
+    ``dist`` where the chunk lies in the global tensor; ``dist`` is also set for a plain
+    tensor under :class:`~lazyckpt._dtensor.Replicated`.
+    """
 
     key: str
     tensor: torch.Tensor
     version: int | None
     alias_of: int | None = None
+    dist: DistInfo | None = None
+    dtensor: torch.Tensor | None = None
 
 
 def _escape(part: str) -> str:
@@ -147,6 +157,7 @@ class _Walker:
         self.tensors: list[TensorRef] = []
         self._seen_tensor: dict[tuple[Any, ...], int] = {}
         self._active: set[int] = set()
+        self._replicated = 0  # depth of Replicated markers around the value being walked
 
     def encode(self, obj: Any, key: str) -> JSON:
         if obj is None or type(obj) in (bool, int, str):
@@ -182,7 +193,15 @@ class _Walker:
             finally:
                 self._active.discard(id(obj))
         if isinstance(obj, Stateful):
-            return {"$stateful": self.encode(obj.state_dict(), key)}
+            # imported here: _dtensor needs _manifest, which imports this module
+            from ._dtensor import Replicated
+
+            marker = isinstance(obj, Replicated)
+            self._replicated += marker
+            try:
+                return {"$stateful": self.encode(obj.state_dict(), key)}
+            finally:
+                self._replicated -= marker
         if self.lenient:
             return None
         if self.allow_pickle:
@@ -217,7 +236,20 @@ class _Walker:
 
     def _add_tensor(self, t: torch.Tensor, key: str) -> int:
         key = key or "<root>"
+        dist: DistInfo | None = None
+        dtensor: torch.Tensor | None = None
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            from ._dtensor import local_chunk  # here for the same reason as Replicated
+
+            found = local_chunk(t, key)
+            if found is not None:
+                dtensor = t
+                t, dist = found
         _check_tensor(key, t)
+        if dist is None and self._replicated:
+            from ._dtensor import replicated_info
+
+            dist = replicated_info(t)
         ident = _identity(t)
         first = self._seen_tensor.get(ident)
         try:
@@ -225,7 +257,9 @@ class _Walker:
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
             version = None
         index = len(self.tensors)
-        self.tensors.append(TensorRef(key=key, tensor=t, version=version, alias_of=first))
+        self.tensors.append(
+            TensorRef(key=key, tensor=t, version=version, alias_of=first, dist=dist, dtensor=dtensor)
+        )
         if first is None:
             self._seen_tensor[ident] = index
         return index

@@ -309,6 +309,11 @@ class FileTier(Tier):
         return sorted(found)
 
     async def read_manifest(self, step: int) -> Manifest:
+        return await self.read_rank_manifest(step, self.rank)
+
+    async def read_rank_manifest(self, step: int, rank: int) -> Manifest:
+        """Rank ``rank``'s manifest of a committed step (every rank's part lies in the same
+        directory); a step written by a single process has one manifest, for any rank."""
         path = self._dir(step) / MANIFEST
         try:
             data = await self._run("read manifest", path.read_bytes)
@@ -318,7 +323,7 @@ class FileTier(Tier):
             raise
         assert isinstance(data, bytes)
         if b'"lazyckpt-commit"' in data[:64]:  # several ranks: read this rank's manifest
-            path = self._dir(step) / f"rank-{self.rank:05d}.json"
+            path = self._dir(step) / f"rank-{rank:05d}.json"
             try:
                 data = await self._run("read manifest", path.read_bytes)
             except TierBrokenError as exc:
@@ -327,6 +332,8 @@ class FileTier(Tier):
         manifest = Manifest.from_json(data, source=f"{self.name}:{path}")
         if manifest.step != step:
             raise CorruptionError(f"{path} holds step {manifest.step}, not {step}")
+        if manifest.world_size > 1 and manifest.rank != rank:
+            raise CorruptionError(f"{path} holds rank {manifest.rank}'s manifest, not {rank}'s")
         return manifest
 
     async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:

@@ -1,0 +1,634 @@
+"""Distributed state: DTensor chunks, replicated tensors written once, resharding on restore.
+
+Snapshot
+--------
+A DTensor on a 1-D device mesh spanning every rank, in rank order (what
+``init_device_mesh(type, (world,))`` and FSDP2's ``fully_shard`` build), with a ``Shard(d)``
+or ``Replicate`` placement, is captured as its local chunk: ``to_local()``, a view, so the
+capture stays lazy. The manifest records the global shape, where the chunk starts in the
+global tensor, and the placement. Anything else (meshes of two or more dimensions,
+``Partial``, strided or custom placements, a mesh that is not the Checkpointer's world) is
+refused with :class:`UnsupportedStateError` at ``snapshot()``.
+
+A replicated tensor (a ``Replicate`` DTensor, or a plain tensor inside :class:`Replicated`)
+is written by one rank only, ``crc32c(key) % world_size``, which spreads the writes over the
+ranks; the others record a ``replica`` entry naming that writer. Plain tensors are never
+assumed identical across ranks: only the user knows they are.
+
+Restore
+-------
+On the world size it was saved with, with no replica to fetch and ``into=`` chunks where
+they were saved, a rank reads its own manifest and shards only (``_restore.restore_state``).
+Otherwise (:func:`restore_resharded`) each rank works out, per tensor, the region of the
+global tensor it needs, the saved ranks whose chunks overlap it (from the chunking rule,
+checked against their manifests), and reads just the shards holding the overlap:
+
+- an ``into=`` DTensor receives its own local chunk, whatever its new sharding;
+- an ``into=`` plain tensor of the global shape receives the whole tensor;
+- without a target, the same world size gives the chunk the rank saved, and a different one
+  the full tensor assembled from every saved chunk;
+- plain per-rank tensors and values come from saved rank ``rank % saved_world_size``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import crc32c
+import torch
+
+from ._errors import (
+    ConfigurationError,
+    CorruptionError,
+    SnapshotNotFoundError,
+    TierError,
+    UnsupportedStateError,
+)
+from ._manifest import Manifest, ShardMeta, TensorMeta
+from ._restore import _byte_view, apply_into, committed_steps, read_manifest
+from ._state import RestoreEvent, RestoreState, advance_restore
+from ._tier import Tier
+from ._tree import Stateful, TensorRef, decode_tree, walk_state
+
+__all__ = [
+    "DistInfo",
+    "Replicated",
+    "SupportsRankManifests",
+    "assign_writers",
+    "local_chunk",
+    "needs_resharding",
+    "read_base_manifest",
+    "replicated_info",
+    "restore_resharded",
+    "writer_of",
+]
+
+Box = tuple[tuple[int, int], ...]  # per dimension, [start, stop) in global coordinates
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where a captured tensor lies in its global tensor.
+
+    Attributes:
+        global_shape: the shape of the whole (unsharded) tensor.
+        global_offset: where this rank's chunk starts in it, per dimension.
+        placements: ``("shard(d)",)`` or ``("replicate",)``: one per mesh dimension.
+        mesh_size: ranks of the DTensor's mesh (``None`` for a plain tensor).
+        coordinate: this rank's place on that mesh.
+        writer: for a replicated tensor, the rank that stores it (set by
+            :func:`assign_writers`); ``None`` means this rank stores it.
+    """
+
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh_size: int | None = None
+    coordinate: int | None = None
+    writer: int | None = None
+
+
+class Replicated:
+    """Marks part of a state as identical on every rank, so it is written once.
+
+    ``{"model": Replicated(ddp_model.module), "optimizer": optimizer}`` stores the model's
+    tensors once across the ranks instead of once per rank, the writes spread over the
+    ranks. Only mark what really is identical everywhere (a DDP model, replicated
+    buffers): the copy restored is the writer rank's. It wraps a tensor, a mapping or a
+    Stateful object, and loads back into it on ``restore(into=...)``.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Replicated({type(self.value).__qualname__})"
+
+    def state_dict(self) -> Any:
+        """The wrapped value's state (the value itself for a tensor or a mapping)."""
+        value = self.value
+        if isinstance(value, Stateful) and not isinstance(value, Mapping):
+            return value.state_dict()
+        return value
+
+    def load_state_dict(self, state_dict: Any, /) -> None:
+        """Load restored state into the wrapped value, in place."""
+        value = self.value
+        if isinstance(value, torch.Tensor):
+            if isinstance(state_dict, torch.Tensor) and state_dict is not value:
+                value.detach().copy_(state_dict)
+        elif isinstance(value, Stateful) and not isinstance(value, Mapping):
+            value.load_state_dict(state_dict)
+        elif isinstance(value, MutableMapping):
+            apply_into(value, state_dict)
+        else:
+            self.value = state_dict
+
+
+class _LocalChunk(torch.Tensor):
+    """A DTensor's local chunk as the capture path sees it: the same memory, but a
+    ``_version`` that also moves when the DTensor is changed in place.
+
+    An in-place op on a DTensor (``optimizer.step()`` on FSDP2 parameters) bumps the
+    DTensor's version counter and not its local tensor's, which it runs on below autograd;
+    a write through the local tensor bumps only the local one. The capture path compares
+    ``ref.tensor._version`` before and after copying, so both must count.
+    """
+
+    _owner: torch.Tensor
+    # operations on the view give plain tensors: the override above is for the check only
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @property
+    def _version(self) -> int:  # type: ignore[override]
+        own: int = torch._C.TensorBase._version.__get__(self)  # type: ignore[attr-defined]
+        return int(self._owner._version) + own
+
+
+def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of chunk ``index`` when ``length`` rows are cut into ``parts``
+    the way ``torch.chunk`` (and so ``Shard``) cuts them; trailing chunks may be empty."""
+    size = -(-length // parts)
+    start = min(index * size, length)
+    return start, min(start + size, length)
+
+
+def _shard_dim(placements: tuple[str, ...]) -> int | None:
+    (p,) = placements
+    return None if p == "replicate" else int(p[len("shard(") : -1])
+
+
+def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | None:
+    """For a DTensor, its local chunk (a view) and where it lies; ``None`` for any other
+    tensor. Raises :class:`UnsupportedStateError` for a layout lazyckpt cannot reshard."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(t, module.DTensor):
+        return None  # DTensor's module was never imported: this cannot be one
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = t.device_mesh
+    if mesh.ndim != 1:
+        raise UnsupportedStateError(
+            f"DTensor {key!r} lives on a {mesh.ndim}-D device mesh; lazyckpt checkpoints "
+            "DTensors on 1-D meshes only (FSDP2 fully_shard, or Shard/Replicate over all "
+            "ranks). Use torch.distributed.checkpoint for 2-D (HSDP, TP) layouts."
+        )
+    (placement,) = t.placements
+    if type(placement) is Shard:
+        dim = placement.dim
+        placements: tuple[str, ...] = (f"shard({dim})",)
+    elif isinstance(placement, Replicate):
+        dim = None
+        placements = ("replicate",)
+    else:
+        raise UnsupportedStateError(
+            f"DTensor {key!r} has placement {placement}; lazyckpt supports Shard(d) and "
+            "Replicate (redistribute a Partial tensor first)"
+        )
+    size, coordinate = mesh.size(), mesh.get_local_rank()
+    local = t.to_local().detach()
+    gshape = tuple(t.shape)
+    offset = [0] * len(gshape)
+    expected = list(gshape)
+    if dim is not None:
+        start, stop = _chunk(gshape[dim], size, coordinate)
+        offset[dim], expected[dim] = start, stop - start
+    if list(local.shape) != expected:
+        raise UnsupportedStateError(
+            f"DTensor {key!r}: rank {coordinate} holds {list(local.shape)} of "
+            f"{list(gshape)}, not the torch.chunk split {expected}; uneven sharding is "
+            "not supported"
+        )
+    view = local.as_subclass(_LocalChunk)
+    view._owner = t
+    info = DistInfo(gshape, tuple(offset), placements, mesh_size=size, coordinate=coordinate)
+    return view, info
+
+
+def replicated_info(t: torch.Tensor) -> DistInfo:
+    """What a plain tensor marked :class:`Replicated` records: the whole, replicated."""
+    return DistInfo(tuple(t.shape), (0,) * t.dim(), ("replicate",))
+
+
+def writer_of(key: str, world_size: int) -> int:
+    """The rank that writes replicated tensor ``key``: stable across runs and ranks (it
+    depends on the key only), and spread evenly over the ranks."""
+    return crc32c.crc32c(key.encode()) % world_size
+
+
+def assign_writers(refs: Sequence[TensorRef], rank: int, world_size: int, dedup: bool) -> None:
+    """Check every DTensor's mesh is this world, and pick the writer of each replicated
+    tensor (only when ``dedup``: every durable tier can read other ranks' data)."""
+    for ref in refs:
+        info = ref.dist
+        if info is None:
+            continue
+        if info.mesh_size is not None and (info.mesh_size != world_size or info.coordinate != rank):
+            raise UnsupportedStateError(
+                f"DTensor {ref.key!r} is on a mesh of {info.mesh_size} ranks where this rank "
+                f"is {info.coordinate}, but the Checkpointer runs as rank {rank} of "
+                f"{world_size}; its mesh must span every rank in rank order (open the "
+                "Checkpointer with torch.distributed initialized, distributed=None or True)"
+            )
+        if dedup and world_size > 1 and info.placements == ("replicate",):
+            ref.dist = DistInfo(
+                info.global_shape,
+                info.global_offset,
+                info.placements,
+                info.mesh_size,
+                info.coordinate,
+                writer=writer_of(ref.key, world_size),
+            )
+
+
+@runtime_checkable
+class SupportsRankManifests(Protocol):
+    """A tier that can read any rank's part of a multi-rank step (one shared store).
+
+    ``read_rank_manifest(step, r)`` returns rank ``r``'s manifest; ``read_shard`` with it
+    reads rank ``r``'s data. Replicated tensors are written once only when every durable
+    tier has this, and resharding reads other ranks' chunks through it.
+    """
+
+    async def read_rank_manifest(self, step: int, rank: int) -> Manifest: ...
+
+
+# -- restore ------------------------------------------------------------------------------
+
+
+async def read_base_manifest(
+    tiers: Sequence[Tier], step: int | None, rank: int, world_size: int
+) -> tuple[Manifest, list[Tier]]:
+    """This rank's manifest of ``step`` and the tiers holding it; when the step was saved
+    by fewer ranks than this rank's number, saved rank ``rank % saved_world``'s."""
+    try:
+        manifest, sources, _ = await read_manifest(tiers, step)
+        return manifest, sources
+    except CorruptionError as exc:
+        if world_size == 1 or step is None:
+            raise
+        readers = await _readers(tiers, step)
+        if not readers:
+            raise
+        first = await _read_rank_manifest(readers, step, 0)
+        if rank < first.world_size:  # this rank's own manifest should exist: it is damaged
+            raise exc from None
+        base = first.rank if first.world_size == 1 else rank % first.world_size
+        return await _read_rank_manifest(readers, step, base), readers
+
+
+async def _readers(tiers: Sequence[Tier], step: int) -> list[Tier]:
+    listing = await committed_steps(tiers)
+    return [
+        t for t in tiers if isinstance(t, SupportsRankManifests) and step in listing.get(t.name, [])
+    ]
+
+
+async def _read_rank_manifest(tiers: Sequence[Tier], step: int, rank: int) -> Manifest:
+    problems: list[Exception] = []
+    for tier in tiers:
+        assert isinstance(tier, SupportsRankManifests)
+        try:
+            return await tier.read_rank_manifest(step, rank)
+        except (CorruptionError, TierError, SnapshotNotFoundError) as exc:
+            problems.append(exc)
+    raise CorruptionError(
+        f"step {step}: no tier holds a readable manifest of rank {rank}: "
+        + "; ".join(map(str, problems))
+    )
+
+
+def _targets(into: Any) -> dict[str, TensorRef]:
+    if into is None:
+        return {}
+    _, refs = walk_state(into, allow_pickle=False, lenient=True)
+    return {r.key: r for r in refs}
+
+
+def needs_resharding(manifest: Manifest, into: Any, rank: int, world_size: int) -> bool:
+    """Whether restoring ``manifest`` here needs other ranks' data or a new sharding
+    (:func:`restore_resharded`), rather than this rank's own shards as saved."""
+    if manifest.world_size != world_size or manifest.rank != rank:
+        return True
+    if any(m.mode == "replica" for m in manifest.tensors):
+        return True
+    if not any(m.placements for m in manifest.tensors):
+        return False  # plain state: nothing to compare into= with
+    targets = _targets(into)
+    for meta in manifest.tensors:
+        if meta.placements is None:
+            continue
+        ref = targets.get(meta.key)
+        if ref is None:
+            continue
+        region = ref.dist.global_offset if ref.dist is not None else None
+        if region != meta.global_offset or tuple(ref.tensor.shape) != meta.shape:
+            return True
+    return False
+
+
+@dataclass
+class _Wanted:
+    """One tensor to rebuild: the global region it covers and where its bytes go."""
+
+    meta: TensorMeta
+    region: Box
+    staging: torch.Tensor  # contiguous CPU, the region's shape
+    final: torch.Tensor
+    value: torch.Tensor  # what the restored state holds (a DTensor target itself)
+
+
+@dataclass
+class _Piece:
+    """The part ``overlap`` of a wanted tensor that saved rank ``rank`` holds."""
+
+    wanted: _Wanted
+    rank: int
+    overlap: Box
+
+
+def _box(offset: Sequence[int], shape: Sequence[int]) -> Box:
+    return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _slices(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
+
+
+def _region_for(
+    meta: TensorMeta, ref: TensorRef | None, base: Manifest, rank: int, world_size: int
+) -> Box:
+    """The global region this rank restores for a distributed tensor."""
+    assert meta.global_shape is not None and meta.global_offset is not None
+    full = _box((0,) * len(meta.global_shape), meta.global_shape)
+    if ref is not None:
+        shape = tuple(ref.tensor.shape)
+        if ref.dist is not None and ref.dist.global_shape == meta.global_shape:
+            return _box(ref.dist.global_offset, shape)
+        if shape == meta.global_shape:
+            return full
+        if base.world_size == world_size and base.rank == rank and shape == meta.shape:
+            return _box(meta.global_offset, shape)
+        raise ConfigurationError(
+            f"into[{meta.key!r}] is {list(shape)}, but the checkpoint holds a tensor of "
+            f"global shape {list(meta.global_shape)} (this rank's chunk: {list(meta.shape)})"
+        )
+    if base.world_size == world_size and base.rank == rank:
+        return _box(meta.global_offset, meta.shape)
+    return full
+
+
+def _holders(meta: TensorMeta, base: Manifest) -> list[tuple[int, Box]]:
+    """The saved ranks holding parts of a tensor, with the global box each holds."""
+    if meta.placements is None:  # a per-rank tensor: the base rank's own
+        return [(base.rank, _box((0,) * len(meta.shape), meta.shape))]
+    assert meta.global_shape is not None
+    full = _box((0,) * len(meta.global_shape), meta.global_shape)
+    dim = _shard_dim(meta.placements)
+    if dim is None:
+        return [(meta.writer if meta.writer is not None else base.rank, full)]
+    found = []
+    for r in range(base.world_size):
+        start, stop = _chunk(meta.global_shape[dim], base.world_size, r)
+        found.append((r, tuple((start, stop) if d == dim else span for d, span in enumerate(full))))
+    return found
+
+
+async def restore_resharded(
+    base: Manifest,
+    sources: Sequence[Tier],
+    all_tiers: Sequence[Tier],
+    *,
+    rank: int,
+    world_size: int,
+    into: Any,
+    map_location: torch.device | str | None,
+    allow_pickle: bool,
+    concurrency: int = 4,
+) -> Any:
+    """Rebuild the state from ``base`` (a saved rank's manifest), reading each tensor's
+    overlapping parts from whichever saved ranks hold them (see the module docstring)."""
+    if base.pickled and not allow_pickle:
+        decode_tree(base.tree, [None] * len(base.tensors), allow_pickle=False)
+    device = torch.device(map_location) if map_location is not None else None
+    targets = _targets(into)
+    wanted: list[_Wanted | None] = []
+    pieces: dict[int, list[_Piece]] = {}
+    for meta in base.tensors:
+        if meta.mode == "alias":
+            wanted.append(None)
+            continue
+        ref = targets.get(meta.key)
+        if meta.placements is None:
+            region = _box((0,) * len(meta.shape), meta.shape)
+            if ref is not None and tuple(ref.tensor.shape) != meta.shape:
+                raise ConfigurationError(
+                    f"into[{meta.key!r}] is {list(ref.tensor.shape)} but the checkpoint has "
+                    f"{list(meta.shape)}"
+                )
+        else:
+            region = _region_for(meta, ref, base, rank, world_size)
+        if ref is not None and ref.tensor.dtype != meta.torch_dtype:
+            raise ConfigurationError(
+                f"into[{meta.key!r}] is {ref.tensor.dtype} but the checkpoint has {meta.dtype}"
+            )
+        shape = tuple(hi - lo for lo, hi in region)
+        if ref is not None:
+            final = ref.tensor.detach()
+            direct = final.device.type == "cpu" and final.is_contiguous()
+            staging = final if direct else torch.empty(shape, dtype=meta.torch_dtype)
+            value = ref.dtensor if ref.dtensor is not None else final
+        else:
+            staging = final = value = torch.empty(shape, dtype=meta.torch_dtype)
+        want = _Wanted(meta, region, staging, final, value)
+        wanted.append(want)
+        for holder, held in _holders(meta, base):
+            overlap = _intersect(held, region)
+            if overlap is not None:
+                pieces.setdefault(holder, []).append(_Piece(want, holder, overlap))
+
+    readers = await _readers(all_tiers, base.step)
+    sem = asyncio.Semaphore(concurrency)
+    problems: list[Exception] = []
+
+    async def from_rank(r: int, todo: list[_Piece]) -> None:
+        if r == base.rank:
+            manifest, tiers = base, list(sources)
+        else:
+            if not readers:
+                raise CorruptionError(
+                    f"step {base.step}: rank {rank} needs rank {r}'s data, but no tier "
+                    f"holding the step can read other ranks' parts ({[t.name for t in sources]})"
+                )
+            async with sem:
+                manifest = await _read_rank_manifest(readers, base.step, r)
+            tiers = readers
+        await _fill_from(manifest, tiers, todo, sem, problems)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for r, todo in pieces.items():
+                tg.create_task(from_rank(r, todo))
+    except ExceptionGroup as group:
+        first = group.exceptions[0]
+        while isinstance(first, ExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+
+    out: list[torch.Tensor] = []
+    for i, meta in enumerate(base.tensors):
+        if meta.alias_of is not None:
+            out.append(out[meta.alias_of])
+            continue
+        done = wanted[i]
+        assert done is not None
+        if done.final is not done.staging:
+            done.final.copy_(done.staging)
+        value = done.value
+        if device is not None and value is done.staging and device != value.device:
+            value = value.to(device)
+        out.append(value)
+    state = decode_tree(base.tree, out, allow_pickle=allow_pickle)
+    if into is not None:
+        apply_into(into, state)
+        return into
+    return state
+
+
+async def _fill_from(
+    manifest: Manifest,
+    tiers: Sequence[Tier],
+    todo: list[_Piece],
+    sem: asyncio.Semaphore,
+    problems: list[Exception],
+) -> None:
+    """Read the shards of ``manifest`` that hold the pieces, once each, and copy the
+    pieces into their wanted tensors."""
+    index = {m.key: i for i, m in enumerate(manifest.tensors)}
+    by_shard: dict[int, list[tuple[_Piece, int, Box]]] = {}
+    flat: list[tuple[_Piece, int, Box, torch.Tensor]] = []
+    for piece in todo:
+        key = piece.wanted.meta.key
+        i = index.get(key)
+        if i is None:
+            raise CorruptionError(
+                f"rank {manifest.rank}'s manifest of step {manifest.step} has no {key!r}"
+            )
+        alias = manifest.tensors[i].alias_of
+        if alias is not None:  # an alias always names a stored entry
+            i = alias
+        meta = manifest.tensors[i]
+        origin = _saved_box(manifest, meta, piece)
+        if meta.mode == "empty":
+            continue
+        if meta.mode == "replica":
+            raise CorruptionError(
+                f"rank {manifest.rank} of step {manifest.step} does not hold {key!r} itself"
+            )
+        if meta.mode == "flat":
+            scratch = torch.empty(meta.shape, dtype=meta.torch_dtype)
+            flat.append((piece, i, origin, scratch))
+        for s in meta.shards:
+            if meta.mode == "rows":
+                seg = next(g for g in manifest.shards[s].segments if g.tensor == i)
+                lo, hi = piece.overlap[0]
+                if seg.stop + origin[0][0] <= lo or seg.start + origin[0][0] >= hi:
+                    continue  # this chunk of rows lies outside the piece
+            by_shard.setdefault(s, []).append((piece, i, origin))
+    scratch_of = {(id(p), i): t for p, i, _, t in flat}
+
+    async def one(s: int) -> None:
+        shard = manifest.shards[s]
+        async with sem:
+            buffer = await _read_verified(manifest, shard, tiers, problems)
+        for piece, i, origin in by_shard[s]:
+            meta = manifest.tensors[i]
+            for seg in shard.segments:
+                if seg.tensor != i:
+                    continue
+                data = buffer[seg.offset : seg.offset + manifest.segment_nbytes(seg)]
+                data = data.view(meta.torch_dtype).view(manifest.segment_shape(seg))
+                if meta.mode == "flat":
+                    scratch_of[(id(piece), i)].reshape(-1)[seg.start : seg.stop].copy_(data)
+                    continue
+                if meta.mode == "rows":  # the segment holds rows start:stop of the chunk
+                    row0 = origin[0][0] + seg.start
+                    held = ((row0, row0 + seg.stop - seg.start), *origin[1:])
+                else:
+                    held = origin
+                part = _intersect(held, piece.overlap)
+                if part is None:
+                    continue
+                target = piece.wanted
+                target.staging[_slices(part, target.region)].copy_(data[_slices(part, held)])
+
+    async with asyncio.TaskGroup() as tg:
+        for s in by_shard:
+            tg.create_task(one(s))
+    for piece, _, origin, scratch in flat:
+        target = piece.wanted
+        target.staging[_slices(piece.overlap, target.region)].copy_(
+            scratch[_slices(piece.overlap, origin)]
+        )
+
+
+def _saved_box(manifest: Manifest, meta: TensorMeta, piece: _Piece) -> Box:
+    """The global box saved rank ``manifest.rank`` holds of a tensor, checked against what
+    the chunking rule said it holds."""
+    wanted = piece.wanted.meta
+    if meta.placements is None:
+        if wanted.placements is not None or meta.shape != wanted.shape:
+            raise CorruptionError(f"rank {manifest.rank} holds {meta.key!r} differently")
+        return _box((0,) * len(meta.shape), meta.shape)
+    assert meta.global_offset is not None
+    box = _box(meta.global_offset, meta.shape)
+    if (
+        meta.global_shape != wanted.global_shape
+        or meta.placements != wanted.placements
+        or _intersect(box, piece.overlap) != piece.overlap
+    ):
+        raise CorruptionError(
+            f"rank {manifest.rank}'s chunk of {meta.key!r} in step {manifest.step} is not "
+            "where the sharding says it is"
+        )
+    return box
+
+
+async def _read_verified(
+    manifest: Manifest, shard: ShardMeta, tiers: Sequence[Tier], problems: list[Exception]
+) -> torch.Tensor:
+    """One shard's bytes from the first tier with a copy that matches its checksum."""
+    loop = asyncio.get_running_loop()
+    buffer = torch.empty(shard.length, dtype=torch.uint8)
+    out = _byte_view(buffer)
+    state = RestoreState.PENDING
+    for tier in tiers:
+        state = advance_restore(state, RestoreEvent.START_READ)
+        try:
+            await tier.read_shard(manifest, shard, out)
+            crc = await loop.run_in_executor(None, crc32c.crc32c, out)
+            if crc != shard.crc32c:
+                raise CorruptionError(
+                    f"tier {tier.name!r}: shard {shard.index} of rank {manifest.rank}, step "
+                    f"{manifest.step} fails its checksum"
+                )
+        except (CorruptionError, TierError) as exc:
+            problems.append(exc)
+            state = advance_restore(state, RestoreEvent.BAD_COPY)
+            continue
+        state = advance_restore(state, RestoreEvent.CHECKSUM_OK)
+        return buffer
+    advance_restore(state, RestoreEvent.NO_MORE_TIERS)
+    raise CorruptionError(
+        f"step {manifest.step}: no tier holds a good copy of shard {shard.index} of rank "
+        f"{manifest.rank}; tried {[t.name for t in tiers]}: " + "; ".join(map(str, problems[-3:]))
+    )
