@@ -108,7 +108,7 @@ class S3Location:
     def url(self) -> str:
         return f"s3://{self.server.bucket}/{self.prefix}"
 
-    def objects(self) -> list[str]:
+    def keys(self) -> list[str]:
         """Every object key under this prefix."""
         return self.server.keys(self.prefix + "/")
 

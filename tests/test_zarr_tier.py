@@ -246,7 +246,8 @@ def _proto() -> Any:
 def _objects(tier: ZarrTier, tmp_path: Path, loc: S3Location | None, step: int) -> list[str]:
     prefix = f"step-{step:012d}/"
     if loc is not None:
-        return [k for k in loc.objects() if f"/{prefix}" in k]
+        keys = loc.keys()
+        return [k for k in keys if f"/{prefix}" in k]
     root = tmp_path / "zarr"
     return [
         str(Path(d, f).relative_to(root)) for d, _, files in os.walk(root / prefix) for f in files
@@ -437,3 +438,46 @@ def test_registered_as_a_plugin(tmp_path: Path) -> None:
     tier = lazyckpt.load_tier("zarr", tmp_path)
     assert isinstance(tier, ZarrTier) and tier.name == "zarr"
     assert tier.level is lazyckpt.TierLevel.PFS
+
+
+_CHILD = """
+import asyncio, hashlib, json, sys
+import lazyckpt
+from tiers import ZarrTier
+
+async def main():
+    async with lazyckpt.Checkpointer([ZarrTier(sys.argv[1])], staging_bytes=1 << 20) as ckpt:
+        state = await ckpt.restore()
+    print(json.dumps({k: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                      for k, t in state["model"].items()}))
+
+import torch
+asyncio.run(main())
+"""
+
+
+def test_a_fresh_process_restores_from_zarr_alone(tmp_path: Path) -> None:
+    import hashlib
+    import subprocess
+    import sys
+
+    g = torch.Generator().manual_seed(5)
+    model = {
+        "w": torch.randn(500, 300, generator=g).bfloat16(),
+        "b": torch.randn(300, generator=g),
+        "n": random_bits((40, 40), torch.float8_e5m2, g),
+    }
+    with SyncCheckpointer([HostMemoryTier(8 << 20), ZarrTier(tmp_path)], **SMALL) as ckpt:
+        ckpt.snapshot({"model": model, "step": 9}, step=9).wait()
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    expected = {
+        k: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        for k, t in model.items()
+    }
+    assert json.loads(child.stdout.strip().splitlines()[-1]) == expected

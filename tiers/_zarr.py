@@ -925,10 +925,12 @@ class ZarrTier(Tier):
             return
         self._closed = True
         self._plans.clear()
+        self._unsynced.clear()
+        # joining worker threads blocks: not on the event loop
         if isinstance(self._store, DurableLocalStore):
-            self._store.close()
+            await asyncio.to_thread(self._store.close)
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            await asyncio.to_thread(self._pool.shutdown, wait=True)
 
     # -- writing ---------------------------------------------------------------------------
 
