@@ -21,7 +21,7 @@ from ._errors import (
     SnapshotNotFoundError,
 )
 from ._manifest import LayoutOptions, plan_layout
-from ._restore import VerifyReport, restore_state, verify_step
+from ._restore import VerifyReport, committed_steps, restore_state, verify_step
 from ._tier import SupportsStaging, Tier
 from ._tree import walk_state
 
@@ -99,7 +99,8 @@ class SnapshotHandle:
     async def _await(self, stage: str) -> None:
         fut = self._future(stage)
         try:
-            await asyncio.wrap_future(fut)
+            # shielded: cancelling this wait must not cancel the snapshot's shared future
+            await asyncio.shield(asyncio.wrap_future(fut))
         except LazyCkptError:
             assert self._flight is not None
             self._engine.mark_reported(self._flight)
@@ -316,8 +317,8 @@ class _Core:
         return await verify_step(self.engine.tiers, step)
 
     async def steps_on_engine(self) -> list[int]:
-        listing = await asyncio.gather(*(t.steps() for t in self.engine.tiers))
-        mine = sorted({s for steps in listing for s in steps})
+        listing = await committed_steps(self.engine.tiers)  # a tier that is down is skipped
+        mine = sorted({s for steps in listing.values() for s in steps})
         if self.engine.coordinator is None:
             return mine
         everyone = await self.engine.coordinator.gather(0, mine)
@@ -498,7 +499,8 @@ class Checkpointer:
             return
         self._core._closing = True
         try:
-            await self._call(self._core.close_on_engine())
+            # shielded: a cancelled caller must not cut the drain short and tear a commit
+            await asyncio.shield(self._call(self._core.close_on_engine()))
         finally:
             self._core.finish_close()
 

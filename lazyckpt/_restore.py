@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,12 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")  # type: ignore[arg-type]
 
 
+def _empty(meta: TensorMeta) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch calls complex32 "experimental"; it round-trips
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.empty(meta.shape, dtype=meta.torch_dtype)
+
+
 class _Destinations:
     """Where each tensor of the manifest goes."""
 
@@ -123,9 +130,9 @@ class _Destinations:
             if target is not None:
                 final = target.detach()
                 direct = final.device.type == "cpu" and final.is_contiguous()
-                staging = final if direct else torch.empty(meta.shape, dtype=meta.torch_dtype)
+                staging = final if direct else _empty(meta)
             else:
-                staging = torch.empty(meta.shape, dtype=meta.torch_dtype)
+                staging = _empty(meta)
                 final = staging
             self.final.append(final)
             self.staging.append(staging)
