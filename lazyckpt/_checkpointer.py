@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from ._cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
 from ._engine import Engine, EngineOptions, Flight, SnapshotStats
 from ._errors import (
     CheckpointerClosedError,
@@ -240,6 +241,8 @@ class _Core:
         )
         flight = Flight(manifest, refs, self.engine.stage_names)
         self._last_step = step
+        if isinstance(self.engine.capture, CudaCapture):
+            self.engine.capture.mark_snapshot(step)  # the point on the stream it must see
         flight.stats.snapshot_s = time.perf_counter() - t0
         self.engine.submit(flight)
         return SnapshotHandle(self.engine, flight, step)
@@ -256,17 +259,26 @@ class _Core:
         self.engine.raise_unreported()
         return waited
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+    def guard(self, optimizer: torch.optim.Optimizer, mode: GuardMode = "cpu") -> Any:
         self.check_open()
         if not hasattr(optimizer, "register_step_pre_hook"):
             raise ConfigurationError(
                 f"guard() takes a torch optimizer, got {type(optimizer).__qualname__}"
             )
 
-        def hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        def blocking(_opt: Any, _args: Any, _kwargs: Any) -> None:
             if not self._closing:
                 self.wait_captured_blocking()
 
+        hook: Callable[[Any, Any, Any], None] = blocking
+        capture = self.engine.capture
+        if resolve_guard_mode(mode, capture) == "stream" and isinstance(capture, CudaCapture):
+            hook = stream_guard_hook(
+                capture,
+                self.engine.pending_captures,
+                raise_unreported=self.engine.raise_unreported,
+                closing=lambda: self._closing,
+            )
         handle = optimizer.register_step_pre_hook(hook)
         self._guards.append(handle)
         return handle
@@ -447,13 +459,16 @@ class Checkpointer:
         self._core.check_open()
         await asyncio.to_thread(self._core.wait_captured_blocking)
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+    def guard(self, optimizer: torch.optim.Optimizer, mode: GuardMode = "cpu") -> Any:
         """Make ``optimizer.step()`` wait for pending captures first (a step pre-hook).
 
-        Returns the hook's handle (``.remove()`` undoes it). The wait blocks the calling
-        thread only while a capture is still running.
+        Returns the hook's handle (``.remove()`` undoes it). With ``mode="cpu"`` the calling
+        thread blocks only while a capture is still running. With ``mode="stream"`` (CUDA)
+        the CPU never blocks: the optimizer's stream waits on the capture copies' events,
+        so the GPU waits only if a copy is still running (see ``docs/gpu.md``); without
+        CUDA it falls back to ``"cpu"``.
         """
-        return self._core.guard(optimizer)
+        return self._core.guard(optimizer, mode)
 
     async def restore(
         self,
@@ -549,9 +564,9 @@ class SyncCheckpointer:
         self._core.check_open()
         self._core.wait_captured_blocking()
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+    def guard(self, optimizer: torch.optim.Optimizer, mode: GuardMode = "cpu") -> Any:
         """See :meth:`Checkpointer.guard`."""
-        return self._core.guard(optimizer)
+        return self._core.guard(optimizer, mode)
 
     def restore(
         self,

@@ -238,6 +238,13 @@ async def restore_state(
     dests = _Destinations(manifest, into, map_location)
     problems: list[Exception] = []
     sem = asyncio.Semaphore(concurrency)
+    shards: Sequence[ShardMeta] = manifest.shards
+    if any(t is not None and t.device.type == "cuda" for t in dests.final):
+        from ._cuda import restore_into  # device targets: in place, host to device
+
+        await restore_into(manifest, sources, dests.final, concurrency=concurrency)
+        dests.staging = list(dests.final)  # every tensor is filled: nothing left to copy
+        shards = ()
 
     async def one(shard: ShardMeta) -> None:
         async with sem:
@@ -245,7 +252,7 @@ async def restore_state(
 
     try:
         async with asyncio.TaskGroup() as tg:
-            for shard in manifest.shards:
+            for shard in shards:
                 tg.create_task(one(shard))
     except ExceptionGroup as group:
         first = group.exceptions[0]

@@ -86,6 +86,17 @@ class HostMemoryTier(Tier):
             if block is not keep:
                 self._arena.discard(block)
 
+    def borrow_shard(self, manifest: Manifest, shard: ShardMeta) -> Block | None:
+        """The block holding ``shard``, held for the caller; None if it left host memory."""
+        block = self._blocks.get(manifest.step, {}).get(shard.index)
+        if block is None or block.length != shard.length or not self._arena.claim(block):
+            return None
+        return block
+
+    def return_shard(self, block: Block) -> None:
+        """Drop the hold :meth:`borrow_shard` took."""
+        self._arena.release(block)
+
     # -- Tier ------------------------------------------------------------------------------
 
     async def open(self) -> None:
