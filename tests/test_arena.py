@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -20,7 +21,7 @@ async def test_blocks_are_page_aligned_and_disjoint(arena: HostArena) -> None:
     blocks = [await arena.allocate(n) for n in (1, 5000, 4096, 10000)]
     assert all(b.tensor().data_ptr() % 4096 == 0 for b in blocks)
     spans = sorted((b.offset, b.offset + b.extent) for b in blocks)
-    assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:], strict=False))
+    assert all(a1 <= b0 for (_, a1), (b0, _) in itertools.pairwise(spans))
     assert len(blocks[1].memoryview()) == 5000
 
 

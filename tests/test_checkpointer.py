@@ -321,7 +321,7 @@ async def test_bad_inputs_get_typed_errors(tmp_path: Path) -> None:
     async with lazyckpt.Checkpointer(chain(tmp_path), **SMALL) as ckpt:
         with pytest.raises(UnsupportedStateError, match="mapping"):
             await ckpt.snapshot([torch.zeros(1)], step=1)  # type: ignore[arg-type]
-        with pytest.raises(UnsupportedStateError, match="sparse|layout"):
+        with pytest.raises(UnsupportedStateError, match=r"sparse|layout"):
             await ckpt.snapshot({"s": torch.eye(3).to_sparse()}, step=1)
         with pytest.raises(UnsupportedStateError, match="quantized"):
             with warnings.catch_warnings():  # quantized dtypes are deprecated upstream
@@ -330,7 +330,7 @@ async def test_bad_inputs_get_typed_errors(tmp_path: Path) -> None:
             await ckpt.snapshot({"q": q}, step=1)
         with pytest.raises(UnsupportedStateError, match="meta"):
             await ckpt.snapshot({"m": torch.empty(3, device="meta")}, step=1)
-        with pytest.raises(UnsupportedStateError, match="'obj'.*allow_pickle"):
+        with pytest.raises(UnsupportedStateError, match=r"'obj'.*allow_pickle"):
             await ckpt.snapshot({"obj": object()}, step=1)
         with pytest.raises(ConfigurationError, match="non-negative"):
             await ckpt.snapshot({}, step=-1)

@@ -20,7 +20,7 @@ from lazyckpt import CorruptionError, LazyCkptError
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from custom_tier import _BUCKETS, DictStoreTier  # noqa: E402
+from custom_tier import _BUCKETS, DictStoreTier
 
 SMALL: dict[str, Any] = {"shard_size": 1 << 14, "pack_bytes": 1024}
 STEP = 4

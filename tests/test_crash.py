@@ -23,7 +23,7 @@ import lazyckpt.testing
 from lazyckpt.hooks import POINTS
 
 sys.path.insert(0, str(Path(__file__).parent))
-from crash_child import durable_tier, state_of  # noqa: E402
+from crash_child import durable_tier, state_of
 
 KILLS = int(os.environ.get("LAZYCKPT_SOAK_KILLS", "20"))
 CHILD = Path(__file__).parent / "crash_child.py"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-from dataclasses import replace
 import string
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def test_layout_covers_every_byte_once(shapes: list[tuple[int, ...]], shard_kib:
         assert 0 < shard.length <= options.shard_size
         previous_end = shard.offset + shard.length
         spans = sorted((g.offset, g.offset + m.segment_nbytes(g)) for g in shard.segments)
-        for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False):
+        for (_a0, a1), (b0, _) in itertools.pairwise(spans):
             assert a1 <= b0  # no overlap inside a shard
         for g in shard.segments:
             covered[g.tensor] = covered.get(g.tensor, 0) + m.segment_nbytes(g)

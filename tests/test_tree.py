@@ -70,7 +70,7 @@ def test_special_floats_numpy_and_torch_values() -> None:
 
 def test_tensors_and_aliases() -> None:
     w = torch.zeros(3)
-    tree, refs = walk_state({"a": w, "b": [w, w[1:]], "c": w.clone()}, allow_pickle=False)
+    _tree, refs = walk_state({"a": w, "b": [w, w[1:]], "c": w.clone()}, allow_pickle=False)
     assert [r.key for r in refs] == ["a", "b/0", "b/1", "c"]
     assert [r.alias_of for r in refs] == [None, 0, None, None]
     assert refs[0].version == w._version

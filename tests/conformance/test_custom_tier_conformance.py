@@ -13,7 +13,7 @@ from lazyckpt import Tier
 from lazyckpt.testing import TierTests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from custom_tier import DictStoreTier  # noqa: E402
+from custom_tier import DictStoreTier
 
 
 class TestDictStoreTier(TierTests):

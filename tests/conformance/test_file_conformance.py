@@ -18,14 +18,18 @@ class TestFileTier(TierTests):
         return lambda: FileTier(self.root)
 
     async def raw_steps(self, tier: Tier) -> list[int] | None:
-        # The oracle: a step is committed exactly when its manifest file exists.
-        if not self.root.exists():
-            return []
-        return sorted(
-            int(name.split("-")[1])
-            for name in os.listdir(self.root)
-            if os.path.exists(self.root / name / "manifest.json")
-        )
+        return _listed(self.root)
+
+
+def _listed(root: Path) -> list[int]:
+    """The oracle: a step is committed exactly when its manifest file exists."""
+    if not root.exists():
+        return []
+    return sorted(
+        int(name.split("-")[1])
+        for name in os.listdir(root)
+        if os.path.exists(root / name / "manifest.json")
+    )
 
 
 class TestFileTierDirect(TestFileTier):
