@@ -400,20 +400,21 @@ def plan_layout(
     Costs O(number of tensors); reads no tensor data.
     """
     shard_size, pack_bytes = options.shard_size, options.pack_bytes
-    metas: list[TensorMeta] = []
+    metas: list[TensorMeta | None] = []
     shards: list[ShardMeta] = []
     cursor = 0  # end of the stream so far
     pack: list[Segment] = []
     pack_fill = 0
-    pack_members: list[int] = []
+    # packed tensors get their TensorMeta once their shard's index is known
+    pack_members: list[tuple[int, str, str, tuple[int, ...], int]] = []
 
     def close_pack() -> None:
         nonlocal cursor, pack, pack_fill, pack_members
         if pack:
             index = len(shards)
             shards.append(ShardMeta(index, cursor, pack_fill, "pack", tuple(pack)))
-            for i in pack_members:
-                metas[i] = replace(metas[i], shards=(index,))
+            for i, key, dtype, shape, offset in pack_members:
+                metas[i] = TensorMeta(key, dtype, shape, "pack", (index,), offset=offset)
             cursor = _align(cursor + pack_fill, SHARD_ALIGN)
         pack, pack_fill, pack_members = [], 0, []
 
@@ -439,8 +440,8 @@ def plan_layout(
             numel = t.numel()
             pack.append(Segment(i, offset, 0, numel))
             pack_fill = offset + nbytes
-            pack_members.append(i)
-            metas.append(TensorMeta(ref.key, dtype, shape, "pack", offset=offset))
+            pack_members.append((i, ref.key, dtype, shape, offset))
+            metas.append(None)
             continue
         row_bytes = nbytes // shape[0] if t.dim() >= 1 and shape[0] > 0 else nbytes
         if t.dim() >= 1 and row_bytes <= shard_size:
@@ -466,10 +467,14 @@ def plan_layout(
             cursor = _align(cursor + length, SHARD_ALIGN)
         metas.append(TensorMeta(ref.key, dtype, shape, mode, tuple(indices), chunk=per))
     close_pack()
+    done: list[TensorMeta] = []
+    for meta in metas:
+        assert meta is not None  # every packed tensor got its meta in close_pack
+        done.append(meta)
     for i, ref in enumerate(refs):
         if ref.dist is not None:
-            metas[i] = replace(
-                metas[i],
+            done[i] = replace(
+                done[i],
                 global_shape=ref.dist.global_shape,
                 global_offset=ref.dist.global_offset,
                 placements=ref.dist.placements,
@@ -477,7 +482,7 @@ def plan_layout(
     return Manifest(
         step=step,
         tree=tree,
-        tensors=tuple(metas),
+        tensors=tuple(done),
         shards=tuple(shards),
         stream_bytes=cursor,
         rank=rank,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import math
 import pickle
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -106,6 +107,7 @@ def _escape(part: str) -> str:
 
 
 _MAX_KEY = 1024
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def _check_key(k: Any, parent: str) -> None:
@@ -114,7 +116,7 @@ def _check_key(k: Any, parent: str) -> None:
     if not isinstance(k, str):
         return
     where = f"under {parent!r}" if parent else "at the top level"
-    if k in ("", ".", "..") or k.startswith("/") or any(ord(c) < 32 for c in k):
+    if k in ("", ".", "..") or k.startswith("/") or _CONTROL.search(k) is not None:
         raise UnsupportedStateError(
             f"key {k!r} {where} is not allowed: keys may not be empty, '.', '..', start "
             "with '/', or contain control characters (NUL included)"
