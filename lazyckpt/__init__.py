@@ -14,6 +14,7 @@ from ._checkpointer import (
     SnapshotSkippedWarning,
     SyncCheckpointer,
 )
+from ._dtensor import Replicated
 from ._engine import SnapshotStats
 from ._errors import (
     CheckpointerClosedError,
@@ -71,6 +72,7 @@ __all__ = [
     "LayoutOptions",
     "LazyCkptError",
     "Manifest",
+    "Replicated",
     "Retention",
     "Segment",
     "ShardMeta",

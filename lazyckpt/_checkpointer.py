@@ -13,6 +13,13 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from ._cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
+from ._dtensor import (
+    SupportsRankManifests,
+    assign_writers,
+    needs_resharding,
+    read_base_manifest,
+    restore_resharded,
+)
 from ._engine import Engine, EngineOptions, Flight, SnapshotStats
 from ._errors import (
     CheckpointerClosedError,
@@ -226,7 +233,6 @@ class _Core:
         tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
         if any(r.dist is not None for r in refs):
             # imported here: only distributed (DTensor / Replicated) state needs it
-            from ._dtensor import SupportsRankManifests, assign_writers
 
             dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
             assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
@@ -293,7 +299,6 @@ class _Core:
             if not agreed:
                 raise SnapshotNotFoundError("no step is committed on every rank")
             step = agreed[-1]
-        from ._dtensor import needs_resharding, read_base_manifest, restore_resharded
 
         rank, world = self.engine.rank, self.engine.world_size
         manifest, sources = await read_base_manifest(self.engine.tiers, step, rank, world)

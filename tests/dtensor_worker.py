@@ -23,7 +23,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import lazyckpt
-from lazyckpt._dtensor import Replicated, writer_of
+from lazyckpt import Replicated
+from lazyckpt._dtensor import writer_of
 from lazyckpt._tree import walk_state
 from tiers import FileTier, HostMemoryTier
 
