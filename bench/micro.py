@@ -25,6 +25,8 @@ import ctypes
 import gc
 import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -314,6 +316,12 @@ def bench_capture(state: dict[str, torch.Tensor], reps: int, progress: Progress)
 # -- durable flush vs write + fsync -------------------------------------------------------------
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads), in seconds."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 async def _flush(
     state: dict[str, torch.Tensor], reps: int, tmp: Path, progress: Progress
 ) -> dict[str, Any]:
@@ -322,20 +330,34 @@ async def _flush(
     src = prefaulted(_align(layout[-1][1] + nbytes))
     memcpy_into(src, layout)
     data = memoryview(src.numpy())[: layout[-1][1] + layout[-1][0].numel() * 4]
-    root = tmp / "lazy"
     cap = _align(nbytes + 64 * MiB)
     samples: dict[str, list[float]] = {
         "write_fsync": [],
         "write_fsync_2threads": [],
         "lazyckpt_file": [],
+        "lazyckpt_file_direct": [],
     }
+    cpu: dict[str, list[float]] = {k: [] for k in samples}
     capture_s: list[float] = []
-    async with lazyckpt.Checkpointer(
-        [HostMemoryTier(capacity_bytes=cap), FileTier(root)], shard_size=SHARD
-    ) as ckpt:
+    # the default FileTier (buffered writes) and the same with O_DIRECT, each with its own
+    # arena and directory; both snapshot the same state
+    ckpts = {
+        name: lazyckpt.Checkpointer(
+            [
+                HostMemoryTier(capacity_bytes=cap),
+                FileTier(tmp / name, direct=name.endswith("direct")),
+            ],
+            shard_size=SHARD,
+        )
+        for name in ("lazyckpt_file", "lazyckpt_file_direct")
+    }
+    try:
+        for ckpt in ckpts.values():
+            await ckpt.open()
         step = 0
         for rep, name in abab(list(samples), reps):
             os.sync()  # start each trial with no dirty pages from the previous one
+            c0 = _cpu_seconds()
             if name.startswith("write_fsync"):
                 path = tmp / f"plain-{rep}.bin"
                 write = plain_write_fsync if name == "write_fsync" else plain_write_fsync_parallel
@@ -346,27 +368,31 @@ async def _flush(
             else:
                 step += 1
                 t0 = time.perf_counter()
-                h = await ckpt.snapshot(state, step=step)
+                h = await ckpts[name].snapshot(state, step=step)
                 await h.reached("file")
                 samples[name].append(time.perf_counter() - t0)
                 assert h.stats is not None and h.stats.capture_s is not None
-                capture_s.append(h.stats.capture_s)
+                if name == "lazyckpt_file":
+                    capture_s.append(h.stats.capture_s)
                 # remove the committed step outside the timing (a retention policy would
                 # delete it in the background, overlapping the next trial)
-                for d in root.glob(f"step-{step:012d}"):
-                    for f in d.iterdir():
-                        f.unlink()
-                    d.rmdir()
-            progress(f"  rep {rep}: {name} {samples[name][-1]:.2f}s")
+                shutil.rmtree(tmp / name / f"step-{step:012d}")
+            cpu[name].append(_cpu_seconds() - c0)
+            progress(f"  rep {rep}: {name} {samples[name][-1]:.2f}s, {cpu[name][-1]:.2f} CPU-s")
+    finally:
+        for ckpt in ckpts.values():
+            await ckpt.aclose()
     summary = {k: summarize(v) for k, v in samples.items()}
     med = {k: v["median"] for k, v in summary.items()}
     return {
         "bytes": nbytes,
         "seconds": summary,
+        "cpu_seconds": {k: summarize(v) for k, v in cpu.items()},
         "capture_s": summarize(capture_s),
         "gib_per_s": {k: nbytes / v / (1 << 30) for k, v in med.items()},
         "file_over_write_fsync_bw": med["write_fsync"] / med["lazyckpt_file"],
         "file_over_write_fsync_2threads_bw": med["write_fsync_2threads"] / med["lazyckpt_file"],
+        "file_direct_over_write_fsync_bw": med["write_fsync"] / med["lazyckpt_file_direct"],
     }
 
 

@@ -107,7 +107,15 @@ def test_micro_numbers(result: dict[str, Any]) -> None:
 def test_e2e_numbers(result: dict[str, Any]) -> None:
     e2e = result["results"]["e2e"]
     assert _positive(e2e["config"]["checkpoint_bytes"])
-    methods = {"none", "torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "lazyckpt"}
+    methods = {
+        "none",
+        "torch_save",
+        "dcp_save",
+        "dcp_async",
+        "dcp_async_stager",
+        "lazyckpt",
+        "lazyckpt_direct",
+    }
     assert len(e2e["summary"]) == 2
     for per in e2e["summary"].values():
         assert set(per) == methods
