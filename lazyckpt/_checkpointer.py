@@ -221,19 +221,8 @@ class _Core:
                 "the newer snapshots first."
             )
         self.engine.raise_unreported()
-        if self.options.when_busy == "skip" and self.engine.pending_captures():
-            self.engine.skipped += 1
-            warnings.warn(
-                f"snapshot of step {step} skipped: the previous capture is still running "
-                f"({self.engine.skipped} skipped so far)",
-                SnapshotSkippedWarning,
-                stacklevel=3,
-            )
-            return SnapshotHandle(self.engine, None, step)
         tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
         if any(r.dist is not None for r in refs):
-            # imported here: only distributed (DTensor / Replicated) state needs it
-
             dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
             assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
         manifest = plan_layout(
@@ -245,6 +234,15 @@ class _Core:
             rank=self.engine.rank,
             world_size=self.engine.world_size,
         )
+        if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
+            self.engine.skipped += 1
+            warnings.warn(
+                f"snapshot of step {step} skipped: the pipeline is still busy with earlier "
+                f"snapshots ({self.engine.skipped} skipped so far)",
+                SnapshotSkippedWarning,
+                stacklevel=3,
+            )
+            return SnapshotHandle(self.engine, None, step)
         flight = Flight(manifest, refs, self.engine.stage_names)
         self._last_step = step
         if isinstance(self.engine.capture, CudaCapture):
@@ -413,7 +411,8 @@ class Checkpointer:
             retried, with exponential back-off from ``retry_backoff`` seconds, before the
             snapshot fails on that tier. A full tier is not retried.
         when_busy: ``"wait"`` applies backpressure (the guard waits); ``"skip"`` drops a
-            snapshot requested while the previous capture still runs, with a
+            snapshot that could not start at once (a capture is still running, or the host
+            arena has no room for it until slower tiers drain), with a
             :class:`SnapshotSkippedWarning`.
         staging_bytes: size of the private arena when the chain has no host tier.
         use_uvloop: run the engine loop on uvloop (``None``: if installed).

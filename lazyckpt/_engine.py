@@ -298,6 +298,21 @@ class Engine:
             self._pending_captures = [f for f in self._pending_captures if not f.captured.done()]
             return list(self._pending_captures)
 
+    def busy_for(self, manifest: Manifest) -> bool:
+        """Would this snapshot have to wait? (any thread; an estimate, read without locks)
+
+        Busy means: a capture is still running, or the arena cannot take the snapshot now
+        without waiting for slower tiers, or, for a snapshot larger than the arena, any
+        earlier snapshot is still in flight.
+        """
+        if self.pending_captures():
+            return True
+        needed = sum((s.length + 4095) // 4096 * 4096 for s in manifest.shards)
+        stats = self.arena.stats()
+        if needed > stats.capacity:
+            return bool(self.flights)
+        return stats.capacity - stats.held < needed
+
     def submit(self, flight: Flight) -> None:
         """Hand a planned snapshot to the engine loop; returns at once."""
         with self._lock:

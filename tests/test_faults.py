@@ -132,6 +132,24 @@ async def test_when_busy_skip_drops_and_counts(tmp_path: Path) -> None:
             await (await ckpt.snapshot(state(3), step=3)).committed()  # not busy: not skipped
 
 
+async def test_when_busy_skip_when_the_arena_is_held_by_a_slow_tier(tmp_path: Path) -> None:
+    faulty = FaultyTier(FileTier(tmp_path / "f"))
+    capacity = 384 << 10  # room for one snapshot of 256 KiB, not two
+    async with lazyckpt.Checkpointer(
+        [HostMemoryTier(capacity), faulty], when_busy="skip", **SMALL
+    ) as ckpt:
+        faulty.hang("put_shard")
+        first = await ckpt.snapshot(state(1), step=1)
+        await first.captured()  # captured, but stuck on its way to the file tier
+        with pytest.warns(SnapshotSkippedWarning, match="busy"):
+            second = await ckpt.snapshot(state(2), step=2)
+        assert second.skipped
+        faulty.heal()
+        await first.committed()
+        await (await ckpt.snapshot(state(3), step=3)).committed()
+        assert await faulty.steps() == [1, 3]
+
+
 async def test_when_busy_wait_bounds_memory_under_a_slow_tier(tmp_path: Path) -> None:
     faulty = FaultyTier(FileTier(tmp_path / "f"))
     faulty.delay_s = 0.02

@@ -65,7 +65,7 @@ class FaultyTier(Tier):
         self._broken.add(method)
 
     def hang(self, method: str) -> None:
-        """Calls of ``method`` never return (until cancelled), until :meth:`heal`."""
+        """Calls of ``method`` do not return until :meth:`heal` (or until cancelled)."""
         self._check(method)
         self._hang.add(method)
 
@@ -86,8 +86,8 @@ class FaultyTier(Tier):
         self.calls[method] += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        if method in self._hang:
-            await asyncio.Event().wait()
+        while method in self._hang:  # until heal() (from any thread) or cancellation
+            await asyncio.sleep(0.005)
         if method in self._broken:
             raise TierBrokenError(f"{method}: injected permanent failure", tier=self.name)
         left = self._fail.get(method, 0)
