@@ -8,6 +8,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -28,10 +29,10 @@ from ._errors import (
     SnapshotFailedError,
     SnapshotNotFoundError,
 )
-from ._manifest import LayoutOptions, plan_layout
+from ._manifest import LayoutOptions, Manifest, plan_layout
 from ._restore import VerifyReport, committed_steps, restore_state, verify_step
 from ._tier import SupportsStaging, Tier
-from ._tree import walk_state
+from ._tree import TensorRef, walk_state
 
 __all__ = [
     "Checkpointer",
@@ -190,6 +191,7 @@ class _Core:
         self._closing = False
         self._open_lock = threading.Lock()
         self._guards: list[Any] = []
+        self._plan_cache: tuple[tuple[Any, ...], Manifest] | None = None
 
     def check_open(self) -> None:
         if self._closing or self.engine.closed:
@@ -225,15 +227,7 @@ class _Core:
         if any(r.dist is not None for r in refs):
             dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
             assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
-        manifest = plan_layout(
-            step,
-            tree,
-            refs,
-            self.options.layout,
-            pickled="$pickle" in _tags(tree),
-            rank=self.engine.rank,
-            world_size=self.engine.world_size,
-        )
+        manifest = self._plan(step, tree, refs)
         if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
             self.engine.skipped += 1
             warnings.warn(
@@ -250,6 +244,29 @@ class _Core:
         flight.stats.snapshot_s = time.perf_counter() - t0
         self.engine.submit(flight)
         return SnapshotHandle(self.engine, flight, step)
+
+    def _plan(self, step: int, tree: Any, refs: list[TensorRef]) -> Manifest:
+        """The layout for this snapshot; reused from the previous one when every tensor has
+        the same key, dtype, shape, aliasing and placement (the usual case: the same model
+        and optimizer every step), since planning is most of ``snapshot()``'s cost."""
+        signature = tuple(
+            (r.key, r.tensor.dtype, r.tensor.shape, r.alias_of, r.dist) for r in refs
+        )
+        pickled = self.options.allow_pickle and "$pickle" in _tags(tree)
+        cached = self._plan_cache
+        if cached is not None and cached[0] == signature:
+            return replace(cached[1], step=step, tree=tree, pickled=pickled, created=time.time())
+        manifest = plan_layout(
+            step,
+            tree,
+            refs,
+            self.options.layout,
+            pickled=pickled,
+            rank=self.engine.rank,
+            world_size=self.engine.world_size,
+        )
+        self._plan_cache = (signature, manifest)
+        return manifest
 
     def wait_captured_blocking(self) -> float:
         """Block until every pending capture is done; return the seconds waited."""
@@ -373,7 +390,7 @@ _DEFAULTS: dict[str, Any] = {
     "shard_size": None,
     "pack_bytes": None,
     "allow_pickle": False,
-    "capture_threads": 1,
+    "capture_threads": 2,
     "io_concurrency": 4,
     "deadline": 300.0,
     "retries": 3,
@@ -403,7 +420,8 @@ class Checkpointer:
             (default: 1 MiB or a quarter of ``shard_size``, whichever is smaller).
         allow_pickle: store (and restore) values that are not plain data with pickle. Off by
             default: restoring then never runs code from a checkpoint.
-        capture_threads: threads copying CPU tensors into host memory.
+        capture_threads: threads copying CPU tensors into host memory and checksumming
+            them (default 2: one shard's checksum overlaps the next shard's copy).
         io_concurrency: shards in flight per durable tier.
         deadline: seconds any single tier operation may take before it fails with
             :class:`DeadlineExceededError` (``None``: no deadline). Default 300.

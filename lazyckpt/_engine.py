@@ -62,7 +62,7 @@ class EngineOptions:
 
     layout: LayoutOptions = field(default_factory=LayoutOptions)
     allow_pickle: bool = False
-    capture_threads: int = 1
+    capture_threads: int = 2
     io_concurrency: int = 4
     deadline: float | None = 300.0
     retries: int = 3
