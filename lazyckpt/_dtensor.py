@@ -49,8 +49,7 @@ from ._errors import (
     UnsupportedStateError,
 )
 from ._manifest import Manifest, ShardMeta, TensorMeta
-from ._restore import _byte_view, apply_into, committed_steps, read_manifest
-from ._state import RestoreEvent, RestoreState, advance_restore
+from ._restore import _byte_view, apply_into, committed_steps, read_manifest, read_verified
 from ._tier import Tier
 from ._tree import Stateful, TensorRef, decode_tree, walk_state
 
@@ -607,27 +606,9 @@ async def _read_verified(
     manifest: Manifest, shard: ShardMeta, tiers: Sequence[Tier], problems: list[Exception]
 ) -> torch.Tensor:
     """One shard's bytes from the first tier with a copy that matches its checksum."""
-    loop = asyncio.get_running_loop()
     buffer = torch.empty(shard.length, dtype=torch.uint8)
-    out = _byte_view(buffer)
-    state = RestoreState.PENDING
-    for tier in tiers:
-        state = advance_restore(state, RestoreEvent.START_READ)
-        try:
-            await tier.read_shard(manifest, shard, out)
-            crc = await loop.run_in_executor(None, crc32c.crc32c, out)
-            if crc != shard.crc32c:
-                raise CorruptionError(
-                    f"tier {tier.name!r}: shard {shard.index} of rank {manifest.rank}, step "
-                    f"{manifest.step} fails its checksum"
-                )
-        except (CorruptionError, TierError) as exc:
-            problems.append(exc)
-            state = advance_restore(state, RestoreEvent.BAD_COPY)
-            continue
-        state = advance_restore(state, RestoreEvent.CHECKSUM_OK)
+    if await read_verified(manifest, shard, tiers, _byte_view(buffer), problems):
         return buffer
-    advance_restore(state, RestoreEvent.NO_MORE_TIERS)
     raise CorruptionError(
         f"step {manifest.step}: no tier holds a good copy of shard {shard.index} of rank "
         f"{manifest.rank}; tried {[t.name for t in tiers]}: " + "; ".join(map(str, problems[-3:]))

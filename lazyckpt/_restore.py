@@ -154,6 +154,37 @@ class _Destinations:
         return out
 
 
+async def read_verified(
+    manifest: Manifest,
+    shard: ShardMeta,
+    sources: Sequence[Tier],
+    out: memoryview,
+    problems: list[Exception],
+) -> bool:
+    """Fill ``out`` with the first copy of ``shard`` whose crc32c matches, trying the tiers
+    in order (the restore state table); False when no tier has one. Problems are appended."""
+    loop = asyncio.get_running_loop()
+    state = RestoreState.PENDING
+    for tier in sources:
+        state = advance_restore(state, RestoreEvent.START_READ)
+        try:
+            await tier.read_shard(manifest, shard, out)
+            crc = await loop.run_in_executor(None, crc32c.crc32c, out)
+            if crc != shard.crc32c:
+                raise CorruptionError(
+                    f"tier {tier.name!r}: shard {shard.index} of rank {manifest.rank}, step "
+                    f"{manifest.step} fails its checksum (holds {_keys(manifest, shard)})"
+                )
+        except (CorruptionError, TierError) as exc:
+            problems.append(exc)
+            state = advance_restore(state, RestoreEvent.BAD_COPY)
+            continue
+        advance_restore(state, RestoreEvent.CHECKSUM_OK)
+        return True
+    advance_restore(state, RestoreEvent.NO_MORE_TIERS)
+    return False
+
+
 def _segment_target(dest: torch.Tensor, meta: TensorMeta, start: int, stop: int) -> torch.Tensor:
     if meta.mode == "rows":
         return dest[start:stop]
@@ -169,7 +200,6 @@ async def _restore_shard(
     dests: _Destinations,
     problems: list[Exception],
 ) -> None:
-    loop = asyncio.get_running_loop()
     direct = None
     if shard.kind == "chunk":
         (seg,) = shard.segments
@@ -184,25 +214,7 @@ async def _restore_shard(
         out = _byte_view(buffer)
     else:
         out = direct
-    state = RestoreState.PENDING
-    for tier in sources:
-        state = advance_restore(state, RestoreEvent.START_READ)
-        try:
-            await tier.read_shard(manifest, shard, out)
-            crc = await loop.run_in_executor(None, crc32c.crc32c, out)
-            if crc != shard.crc32c:
-                raise CorruptionError(
-                    f"tier {tier.name!r}: shard {shard.index} of step {manifest.step} fails "
-                    f"its checksum (holds {_keys(manifest, shard)})"
-                )
-        except (CorruptionError, TierError) as exc:
-            problems.append(exc)
-            state = advance_restore(state, RestoreEvent.BAD_COPY)
-            continue
-        state = advance_restore(state, RestoreEvent.CHECKSUM_OK)
-        break
-    if state is not RestoreState.VERIFIED:
-        advance_restore(state, RestoreEvent.NO_MORE_TIERS)
+    if not await read_verified(manifest, shard, sources, out, problems):
         raise CorruptionError(
             f"step {manifest.step}: no tier holds a good copy of shard {shard.index} "
             f"({_keys(manifest, shard)}); tried {[t.name for t in sources]}"

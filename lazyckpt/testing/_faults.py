@@ -86,7 +86,8 @@ class FaultyTier(Tier):
         self.calls[method] += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        while method in self._hang:  # until heal() (from any thread) or cancellation
+        # heal() may come from another thread and loop, so no asyncio.Event: poll instead
+        while method in self._hang:  # noqa: ASYNC110
             await asyncio.sleep(0.005)
         if method in self._broken:
             raise TierBrokenError(f"{method}: injected permanent failure", tier=self.name)
