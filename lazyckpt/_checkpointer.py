@@ -402,6 +402,15 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+def _make_core(tiers: Sequence[Tier], options: dict[str, Any]) -> _Core:
+    unknown = set(options) - set(_DEFAULTS)
+    if unknown:
+        raise ConfigurationError(
+            f"unknown Checkpointer options: {sorted(unknown)}; known: {sorted(_DEFAULTS)}"
+        )
+    return _Core(tiers, **{**_DEFAULTS, **options})
+
+
 class Checkpointer:
     """Lazy asynchronous checkpointing through a chain of storage tiers.
 
@@ -441,10 +450,7 @@ class Checkpointer:
     """
 
     def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
-        unknown = set(options) - set(_DEFAULTS)
-        if unknown:
-            raise ConfigurationError(f"unknown Checkpointer options: {sorted(unknown)}")
-        self._core = _Core(tiers, **{**_DEFAULTS, **options})
+        self._core = _make_core(tiers, options)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -551,10 +557,7 @@ class SyncCheckpointer:
     """
 
     def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
-        unknown = set(options) - set(_DEFAULTS)
-        if unknown:
-            raise ConfigurationError(f"unknown Checkpointer options: {sorted(unknown)}")
-        self._core = _Core(tiers, **{**_DEFAULTS, **options})
+        self._core = _make_core(tiers, options)
 
     @property
     def tiers(self) -> list[Tier]:
