@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env demo test soak bench lint typecheck clean
+.PHONY: env demo test soak bench lint clean
 
 env: $(STAMP)
 
