@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import threading
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -23,6 +23,9 @@ from lazyckpt import (
     UnsupportedStateError,
 )
 from tiers import FileTier, HostMemoryTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gating import hold_captures
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
 
@@ -114,18 +117,7 @@ async def test_snapshot_copies_no_bytes_until_later(tmp_path: Path) -> None:
     """snapshot() records references only: a change right after it is caught, not saved."""
     t = torch.zeros(2048, 256)
     async with lazyckpt.Checkpointer(chain(tmp_path), **SMALL) as ckpt:
-        gate = threading.Event()
-        real = ckpt._core.engine.capture
-
-        class Gated:
-            async def capture(self, job: Any) -> int:
-                await asyncio.to_thread(gate.wait)
-                return await real.capture(job)
-
-            def close(self) -> None:
-                real.close()
-
-        ckpt._core.engine.capture = Gated()
+        gate, _release = hold_captures(ckpt)
         handle = await ckpt.snapshot({"t": t}, step=1)
         t.add_(1)  # the training loop mutating before the capture ran
         gate.set()
@@ -139,22 +131,11 @@ async def test_snapshot_copies_no_bytes_until_later(tmp_path: Path) -> None:
 async def test_immutability_violation_raised_by_next_snapshot(tmp_path: Path) -> None:
     t = torch.zeros(4096, 512)
     async with lazyckpt.Checkpointer(chain(tmp_path, 64 << 20), **SMALL) as ckpt:
-        gate = threading.Event()
-        real = ckpt._core.engine.capture
-
-        class Gated:
-            async def capture(self, job: Any) -> int:
-                await asyncio.to_thread(gate.wait)
-                return await real.capture(job)
-
-            def close(self) -> None:
-                real.close()
-
-        ckpt._core.engine.capture = Gated()
+        gate, release = hold_captures(ckpt)
         await ckpt.snapshot({"t": t}, step=1)
         t.mul_(2)
         gate.set()
-        ckpt._core.engine.capture = real
+        release()
         with pytest.raises(SnapshotFailedError):
             await ckpt.wait_captured()
         # reported once: the next snapshot goes through

@@ -4,73 +4,27 @@ restore agreement. Each rank is a real process."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 WORKER = Path(__file__).parent / "dist_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(Path(__file__).parent))
+from ranks import launch_ranks, rank_results  # noqa: E402
 
 
 def launch(scenario: str, root: Path, out: Path, world: int) -> list[int]:
     out.mkdir(parents=True, exist_ok=True)
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            GLOO_SOCKET_IFNAME="lo",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(root), str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    codes = []
-    for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=150)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        if proc.returncode not in (0, -signal.SIGKILL):
-            raise AssertionError(err.decode()[-3000:])
-        codes.append(proc.returncode)
-    return codes
-
-
-def results(out: Path) -> dict[int, dict[str, Any]]:
-    found = {}
-    for path in out.glob("rank*.json"):
-        data = json.loads(path.read_text())
-        found[data["rank"]] = data
-    return found
+    return launch_ranks(WORKER, [scenario, str(root), str(out)], world, may_be_killed=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_coordinated_commit_and_restore_agreement(tmp_path: Path, world: int) -> None:
     root = tmp_path / "ckpt"
     assert launch("commit", root, tmp_path / "out", world) == [0] * world
-    res = results(tmp_path / "out")
+    res = rank_results(tmp_path / "out")
     assert sorted(res) == list(range(world))
     for r in res.values():
         assert r["errors"] == []
@@ -88,7 +42,7 @@ def test_a_killed_rank_never_commits_and_others_get_a_typed_error(tmp_path: Path
     root = tmp_path / "ckpt"
     codes = launch("kill", root, tmp_path / "out", 2)
     assert codes == [0, -signal.SIGKILL]
-    survivor = results(tmp_path / "out")[0]
+    survivor = rank_results(tmp_path / "out")[0]
     (error,) = survivor["errors"]
     assert error["step"] == 2
     assert "DeadlineExceededError" in error["types"]
@@ -97,6 +51,6 @@ def test_a_killed_rank_never_commits_and_others_get_a_typed_error(tmp_path: Path
     assert not (root / "step-000000000002" / "manifest.json").exists()
     # a restarted job (both ranks) agrees on step 1 and restores it bit for bit
     launch("restore", root, tmp_path / "again", 2)
-    for r in results(tmp_path / "again").values():
+    for r in rank_results(tmp_path / "again").values():
         assert r["steps"] == [0, 1]
         assert r["restored_step"] == 1 and r["restored_ok"]

@@ -5,9 +5,6 @@ is a real process on loopback (gloo)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,53 +17,18 @@ from lazyckpt import CorruptionError, Manifest
 from lazyckpt._dtensor import writer_of
 from tiers import FileTier
 
+sys.path.insert(0, str(Path(__file__).parent))
+from ranks import launch_ranks, rank_results
+
 WORKER = Path(__file__).parent / "dtensor_worker.py"
 REPLICATED_BYTES = 2 * 64 * 128 * 4  # tensors "c" and "d" of the worker's state
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(scenario: str, root: Path, out: Path, world: int) -> dict[int, dict[str, Any]]:
-    """Run the worker on ``world`` ranks; every process ends (killed at the timeout)."""
+    """Run the worker on ``world`` ranks and collect what each wrote."""
     out.mkdir(parents=True, exist_ok=True)
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            GLOO_SOCKET_IFNAME="lo",
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(root), str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=120)
-            if proc.returncode != 0:
-                raise AssertionError(err.decode()[-3000:])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    found = {}
-    for path in out.glob("rank*.json"):
-        data = json.loads(path.read_text())
-        found[data["rank"]] = data
+    launch_ranks(WORKER, [scenario, str(root), str(out)], world, timeout=120)
+    found = rank_results(out)
     assert sorted(found) == list(range(world))
     return found
 

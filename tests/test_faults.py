@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import threading
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,9 @@ from lazyckpt import (
 )
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gating import hold_captures
 
 SMALL: dict[str, Any] = {"shard_size": 1 << 16, "pack_bytes": 4096, "retry_backoff": 0.001}
 
@@ -106,18 +109,7 @@ async def test_when_busy_skip_drops_and_counts(tmp_path: Path) -> None:
     async with lazyckpt.Checkpointer(
         [HostMemoryTier(8 << 20), FileTier(tmp_path / "f")], when_busy="skip", **SMALL
     ) as ckpt:
-        gate = threading.Event()
-        real = ckpt._core.engine.capture
-
-        class Gated:
-            async def capture(self, job: Any) -> int:
-                await asyncio.to_thread(gate.wait)
-                return await real.capture(job)
-
-            def close(self) -> None:
-                real.close()
-
-        ckpt._core.engine.capture = Gated()
+        gate, _release = hold_captures(ckpt)
         first = await ckpt.snapshot(state(1), step=1)
         with pytest.warns(SnapshotSkippedWarning, match="step 2 skipped"):
             second = await ckpt.snapshot(state(2), step=2)
