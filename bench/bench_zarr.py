@@ -37,7 +37,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, MiB, Progress, abab, loadavg, machine_info, scratch_dir, summarize
+from common import (
+    REPO,
+    MiB,
+    Progress,
+    abab,
+    layer_shapes,
+    loadavg,
+    machine_info,
+    scratch_dir,
+    summarize,
+)
 
 from lazyckpt import FORMAT_VERSION, Manifest
 from lazyckpt.testing import build_snapshot
@@ -71,20 +81,7 @@ def thousand_tensor_state(total: int, seed: int = 1) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for layer in range(83):
         p = f"layers.{layer}."
-        for name, shape in {
-            "attn.qkv.weight": (3 * width, width),
-            "attn.qkv.bias": (3 * width,),
-            "attn.proj.weight": (width, width),
-            "attn.proj.bias": (width,),
-            "ln1.weight": (width,),
-            "ln1.bias": (width,),
-            "mlp.fc.weight": (4 * width, width),
-            "mlp.fc.bias": (4 * width,),
-            "mlp.out.weight": (width, 4 * width),
-            "mlp.out.bias": (width,),
-            "ln2.weight": (width,),
-            "ln2.bias": (width,),
-        }.items():
+        for name, shape in layer_shapes(width).items():
             state[p + name] = torch.randn(*shape, generator=g)
     for name in ("embed.weight", "pos.weight", "head.norm.weight", "head.norm.bias"):
         state[name] = torch.randn(width if "norm" in name else 4 * width, width, generator=g)

@@ -160,6 +160,24 @@ def scratch_dir(parent: str | os.PathLike[str] | None, prefix: str) -> Iterator[
 # -- states ----------------------------------------------------------------------------------
 
 
+def layer_shapes(width: int) -> dict[str, tuple[int, ...]]:
+    """The 12 tensors of one transformer layer of ``width``: 4 matrices, 8 vectors."""
+    return {
+        "attn.qkv.weight": (3 * width, width),
+        "attn.qkv.bias": (3 * width,),
+        "attn.proj.weight": (width, width),
+        "attn.proj.bias": (width,),
+        "ln1.weight": (width,),
+        "ln1.bias": (width,),
+        "mlp.fc.weight": (4 * width, width),
+        "mlp.fc.bias": (4 * width,),
+        "mlp.out.weight": (width, 4 * width),
+        "mlp.out.bias": (width,),
+        "ln2.weight": (width,),
+        "ln2.bias": (width,),
+    }
+
+
 def make_model_like_state(
     total_bytes: int, *, width: int = 1024, seed: int = 0
 ) -> dict[str, torch.Tensor]:
@@ -181,21 +199,7 @@ def make_model_like_state(
     layer = 0
     while used + per_layer <= total_bytes or layer == 0:
         p = f"layers.{layer}."
-        shapes = {
-            "attn.qkv.weight": (3 * width, width),
-            "attn.qkv.bias": (3 * width,),
-            "attn.proj.weight": (width, width),
-            "attn.proj.bias": (width,),
-            "ln1.weight": (width,),
-            "ln1.bias": (width,),
-            "mlp.fc.weight": (4 * width, width),
-            "mlp.fc.bias": (4 * width,),
-            "mlp.out.weight": (width, 4 * width),
-            "mlp.out.bias": (width,),
-            "ln2.weight": (width,),
-            "ln2.bias": (width,),
-        }
-        for name, shape in shapes.items():
+        for name, shape in layer_shapes(width).items():
             state[p + name] = torch.randn(*shape, generator=gen)
         used += per_layer
         layer += 1

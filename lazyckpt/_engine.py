@@ -29,10 +29,12 @@ from functools import partial
 from typing import Any, Literal, TypeVar
 
 import crc32c
+import torch
 
 from . import hooks
 from ._arena import Block, HostArena
 from ._capture import CaptureBackend, CaptureJob, CpuCapture
+from ._cuda import CudaCapture
 from ._distributed import Coordinator, distributed_context
 from ._errors import (
     CheckpointerClosedError,
@@ -42,7 +44,6 @@ from ._errors import (
     LazyCkptError,
     SnapshotFailedError,
     TierBrokenError,
-    TierError,
 )
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
@@ -147,6 +148,10 @@ class Engine:
         self.options = options
         self.tiers = tiers
         self.host: Tier | None = tiers[0] if isinstance(tiers[0], SupportsStaging) else None
+        # the same object, typed for the staging calls (adopt, evicted, forget)
+        self.staging: SupportsStaging | None = (
+            tiers[0] if isinstance(tiers[0], SupportsStaging) else None
+        )
         self.durable: list[Tier] = tiers[1:] if self.host is not None else tiers
         for t in self.durable:
             if isinstance(t, SupportsStaging):
@@ -157,9 +162,8 @@ class Engine:
         # stage 0 is the host stage (the host tier, or the engine's private staging arena)
         self.stage_names: list[str] = [self.host.name if self.host else "<staging>"]
         self.stage_names += [t.name for t in self.durable]
-        if self.host is not None:
-            assert isinstance(self.host, SupportsStaging)
-            self.arena: HostArena = self.host.arena
+        if self.staging is not None:
+            self.arena: HostArena = self.staging.arena
         else:
             self.arena = HostArena(options.staging_bytes)
         if self.arena.capacity < options.layout.shard_size:
@@ -191,12 +195,6 @@ class Engine:
         self.tier_seconds: dict[str, float] = dict.fromkeys(self.stage_names, 0.0)
 
     # -- life cycle (any thread) -----------------------------------------------------------
-
-    def run(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
-        async def wrapper() -> T:
-            return await coro
-
-        return self.loop.submit(wrapper())
 
     async def open(self) -> None:
         """Allocate the arena, open the tiers, start the task group (engine loop)."""
@@ -432,9 +430,8 @@ class Engine:
         hooks.point("capture.done")
         shard = replace(shard, crc32c=crc)
         self._count(0, shard.length, time.perf_counter() - t0)
-        if self.host is not None:
-            assert isinstance(self.host, SupportsStaging)
-            self.host.adopt(m, shard, block)
+        if self.staging is not None:
+            self.staging.adopt(m, shard, block)
         flight.captured_count += 1
         if flight.captured_count == len(m.shards):
             await self._on_all_captured(flight)
@@ -505,9 +502,8 @@ class Engine:
         return block
 
     def _host_evicted(self, block: Block) -> None:
-        host = self.host
-        if host is not None and hasattr(host, "evicted"):
-            host.evicted(block)
+        if self.staging is not None:
+            self.staging.evicted(block)
 
     async def _on_all_captured(self, flight: Flight) -> None:
         if self._failed_at(flight, 0):
@@ -644,10 +640,8 @@ class Engine:
                         await asyncio.shield(
                             self._guarded(k, "abort", partial(self.durable[k - 1].abort, flight.step))
                         )
-                if flight.failed_from == 0 and self.host is not None and hasattr(
-                    self.host, "forget"
-                ):
-                    self.host.forget(flight.step)
+                if flight.failed_from == 0 and self.staging is not None:
+                    self.staging.forget(flight.step)
                 failed = [self.stage_names[k] for k in range(flight.failed_from, len(self.stage_names))]
                 error = SnapshotFailedError(
                     f"snapshot of step {flight.step} failed on {failed}: "
@@ -719,19 +713,7 @@ class Engine:
 
 
 def _default_capture(options: EngineOptions) -> CaptureBackend:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            from ._cuda import CudaCapture
-
-            return CudaCapture(cpu_threads=options.capture_threads)
-    except ImportError:  # pragma: no cover - the CUDA module is part of the package
-        pass
+    if torch.cuda.is_available():
+        return CudaCapture(cpu_threads=options.capture_threads)
     return CpuCapture(options.capture_threads)
 
-
-def tier_error(exc: BaseException, tier: str) -> TierError:
-    if isinstance(exc, TierError):
-        return exc
-    return TierBrokenError(str(exc), tier=tier)

@@ -50,10 +50,6 @@ class EngineLoop:
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
 
-    @property
-    def kind(self) -> str:
-        return type(self.loop).__module__.split(".")[0]
-
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 

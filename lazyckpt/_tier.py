@@ -170,13 +170,19 @@ class SupportsStaging(Protocol):
 
     The engine allocates blocks from ``arena``, captures into them, then hands each to the
     tier with :meth:`adopt`; ``commit`` then keeps the snapshot for fast restore until the
-    arena needs the space.
+    arena needs the space (the arena reports that through :meth:`evicted`).
     """
 
     @property
     def arena(self) -> HostArena: ...
 
     def adopt(self, manifest: Manifest, shard: ShardMeta, block: Block) -> None: ...
+
+    def evicted(self, block: Block) -> None:
+        """The arena reclaimed an adopted block: its snapshot is no longer whole here."""
+
+    def forget(self, step: int) -> None:
+        """Drop a snapshot whose capture failed, giving its blocks back to the arena."""
 
 
 @runtime_checkable
