@@ -176,6 +176,18 @@ def _step_prefix(step: int) -> str:
     return f"step-{step:012d}"
 
 
+def _rank_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _part_prefix(step: int, rank: int, world_size: int) -> str:
+    """Where one rank's part of a snapshot lives: the step's group itself for a snapshot of
+    one rank (the layout of every earlier version), ``step-.../rank-NNNNN`` otherwise."""
+    if world_size == 1:
+        return _step_prefix(step)
+    return f"{_step_prefix(step)}/{_rank_name(rank)}"
+
+
 # -- the plan of a snapshot: which object holds which shard ------------------------------------
 
 
@@ -240,7 +252,7 @@ def _chunk_key(meta: TensorMeta, i: int) -> str:
 
 def plan_snapshot(manifest: Manifest, pack_chunk_bytes: int) -> _Plan:
     """Map every tensor and shard of ``manifest`` to Zarr arrays and objects (no I/O)."""
-    prefix = _step_prefix(manifest.step)
+    prefix = _part_prefix(manifest.step, manifest.rank, manifest.world_size)
     paths: dict[int, str] = {}
     targets: list[_ChunkTarget | _PackTarget | None] = [None] * len(manifest.shards)
     for t, meta in enumerate(manifest.tensors):
@@ -300,6 +312,40 @@ def _aliases(manifest: Manifest, paths: Mapping[int, str]) -> Iterator[tuple[str
             yield meta.key, paths[source]
 
 
+def _placement(meta: TensorMeta) -> dict[str, Any]:
+    """Where a chunk of a sharded (DTensor) tensor lies in the global tensor, for a plain
+    reader to reassemble it; nothing for an ordinary tensor, so its attributes stay as they
+    were before several ranks could write a snapshot."""
+    if meta.placements is None:
+        return {}
+    assert meta.global_shape is not None and meta.global_offset is not None
+    return {
+        "global_shape": list(meta.global_shape),
+        "global_offset": list(meta.global_offset),
+        "placements": list(meta.placements),
+    }
+
+
+def _part_attributes(plan: _Plan) -> dict[str, Any]:
+    """The attributes of the group holding one rank's part (the snapshot group itself when
+    one rank wrote the snapshot): what plain zarr needs to find each tensor, and the
+    manifest, so that restoring from this tier alone is exact."""
+    m = plan.manifest
+    lazy: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": m.step,
+        "rank": m.rank,
+        "world_size": m.world_size,
+        "arrays": plan.arrays,
+        "packed": "packed" if plan.pack is not None else None,
+    }
+    replicas = {t.key: t.writer for t in m.tensors if t.mode == "replica"}
+    if replicas:  # written once, by another rank: its part holds the array
+        lazy["replicas"] = {k: _rank_name(w) for k, w in replicas.items() if w is not None}
+    lazy["manifest"] = json.loads(m.to_json())
+    return {"lazyckpt": lazy}
+
+
 def _documents(plan: _Plan) -> dict[str, bytes]:
     """The metadata objects ``begin()`` writes: arrays, their parent groups, the pack."""
     m = plan.manifest
@@ -321,6 +367,7 @@ def _documents(plan: _Plan) -> dict[str, bytes]:
                 "shape": list(meta.shape),
                 "layout": meta.mode,
                 "tensor": t,
+                **_placement(meta),
             }
         }
         docs[f"{plan.prefix}/{path}/zarr.json"] = _json(
@@ -363,6 +410,7 @@ def _pack_document(plan: _Plan) -> bytes:
             "data_type": storage_dtype(source),
             "shape": list(source.shape),
             "tensor": t,
+            **_placement(source),
         }
     inner = [{"name": "bytes"}, {"name": "crc32c"}]
     return _json(
@@ -743,10 +791,11 @@ class ZarrTier(Tier):
         if self._s3 is None and any(v is not None for v in s3_options.values()):
             raise ConfigurationError("S3 settings were given for a location that is not s3://")
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._plans: dict[int, _Plan] = {}
+        self._plans: dict[tuple[int, int], _Plan] = {}  # (step, rank) ->
         self._begun: set[int] = set()
         self._unsynced: dict[int, set[str]] = {}  # step -> directories to sync at commit
-        self._geometry: dict[int, _PackGeometry] = {}
+        self._geometry: dict[tuple[int, int], _PackGeometry] = {}  # (step, rank) ->
+        self._shared_checked = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests = asyncio.Semaphore(concurrency)
         self._index_lock = asyncio.Lock()
@@ -843,13 +892,29 @@ class ZarrTier(Tier):
         await self._all(self._put_unpublished(step, k, [memoryview(v)]) for k, v in docs.items())
 
     def _plan(self, manifest: Manifest) -> _Plan:
-        plan = self._plans.get(manifest.step)
+        at = (manifest.step, manifest.rank)  # a resharding restore reads several ranks' parts
+        plan = self._plans.get(at)
         if plan is None or plan.manifest is not manifest:
             plan = plan_snapshot(manifest, self.pack_chunk_bytes)
-            self._plans[manifest.step] = plan
-            while len(self._plans) > 8:  # readers of old steps just plan again
+            self._plans[at] = plan
+            while len(self._plans) > 64:  # readers of old steps just plan again
                 del self._plans[next(iter(self._plans))]
         return plan
+
+    def _forget(self, step: int) -> None:
+        """Drop what is cached about ``step`` (every rank's part)."""
+        for cache in (self._plans, self._geometry):
+            for at in [at for at in cache if at[0] == step]:
+                del cache[at]
+        self._begun.discard(step)
+        self._unsynced.pop(step, None)
+
+    @property
+    def _committer(self) -> bool:
+        """Whether this instance writes the commit index: the only one in a single-process
+        run, rank 0 of several (the others never write it, so no two processes ever
+        read-modify-write the same object)."""
+        return self.world_size == 1 or self.rank == 0
 
     # -- the commit index ------------------------------------------------------------------
 
@@ -901,7 +966,7 @@ class ZarrTier(Tier):
     async def open(self) -> None:
         with self._backend("open"):
             root = await self._read_root()
-            if root is None:
+            if root is None and self._committer:
                 await self._put(
                     "zarr.json",
                     _group_doc({"lazyckpt": {"format_version": FORMAT_VERSION, "committed": []}}),
@@ -911,6 +976,8 @@ class ZarrTier(Tier):
                 raise ConfigurationError(
                     f"{self.location} was written by a newer lazyckpt (format {version}); upgrade"
                 )
+            if not self._committer:
+                return  # rank 0 cleans up; every rank waits for it before writing
             committed = set(self._committed(root))
             leftovers = []
             async for name in self._store.list_dir(""):
@@ -936,18 +1003,21 @@ class ZarrTier(Tier):
 
     async def begin(self, manifest: Manifest) -> None:
         with self._backend("begin"):
-            if manifest.world_size != 1:
+            root = await self._read_root()
+            if root is None and manifest.world_size > 1:
                 raise ConfigurationError(
-                    "ZarrTier keeps one rank per location; give each rank its own prefix "
-                    f"(rank {manifest.rank} of {manifest.world_size})"
+                    f"rank {manifest.rank} finds no lazyckpt root at {self.location}, which "
+                    "rank 0 creates when it opens: every rank must give ZarrTier the same "
+                    "shared location (an S3 prefix, or a directory every rank sees)"
                 )
-            if manifest.step in self._committed(await self._read_root()):
+            if manifest.step in self._committed(root):
                 raise TierBrokenError(
                     f"step {manifest.step} is already committed; delete it first", tier=self.name
                 )
             plan = self._plan(manifest)
-            self._geometry.pop(manifest.step, None)
-            await self._store.delete_dir(plan.prefix)  # leftovers of an earlier attempt
+            self._geometry.pop((manifest.step, manifest.rank), None)
+            # leftovers of an earlier attempt (this rank's part only: the others write theirs)
+            await self._store.delete_dir(plan.prefix)
             self._unsynced.pop(manifest.step, None)
             await self._put_documents(plan)
             self._begun.add(manifest.step)
@@ -969,6 +1039,9 @@ class ZarrTier(Tier):
             await self._put_unpublished(manifest.step, target.key, parts)
 
     async def commit(self, manifest: Manifest) -> None:
+        """Make this snapshot durable and, written by one rank, visible. With several ranks
+        this publishes this rank's part only (its group's ``zarr.json``, with its manifest);
+        :meth:`commit_global` makes the step visible once every rank has done so."""
         with self._backend("commit"):
             plan = self._plan(manifest)
             if manifest.step not in self._begun:  # committed without begin(): metadata owed
@@ -976,31 +1049,59 @@ class ZarrTier(Tier):
             if isinstance(self._store, DurableLocalStore):
                 # kept until done: a commit that fails here and is retried syncs them again
                 await self._store.sync_directories(self._unsynced.get(manifest.step, ()))
-            attributes = {
-                "lazyckpt": {
-                    "format_version": FORMAT_VERSION,
-                    "step": manifest.step,
-                    "rank": manifest.rank,
-                    "world_size": manifest.world_size,
-                    "arrays": plan.arrays,
-                    "packed": "packed" if plan.pack is not None else None,
-                    "manifest": json.loads(manifest.to_json()),
-                }
-            }
-            await self._put(f"{plan.prefix}/zarr.json", _group_doc(attributes))
-            await self._update_index(add=manifest.step)
+            await self._put(f"{plan.prefix}/zarr.json", _group_doc(_part_attributes(plan)))
+            if manifest.world_size == 1:
+                await self._update_index(add=manifest.step)
             self._begun.discard(manifest.step)
             self._unsynced.pop(manifest.step, None)
             if plan.pack is not None:
-                self._geometry[manifest.step] = plan.pack
+                self._geometry[(manifest.step, manifest.rank)] = plan.pack
+
+    async def commit_global(self, step: int, world_size: int) -> None:
+        """Make a step written by ``world_size`` ranks visible, once every rank's part is
+        durable (the engine calls this on every rank after they agreed). Rank 0 writes the
+        step's group ``zarr.json`` (the commit record) and then the root index with the step
+        added: that one atomic object write is the commit point. The other ranks write
+        nothing; the first time, each checks that it sees rank 0's part, i.e. that every
+        rank was given the same location. Idempotent."""
+        with self._backend("commit"):
+            if world_size == 1:
+                return  # commit() published it
+            prefix = _step_prefix(step)
+            if not self._committer:
+                if not self._shared_checked:
+                    key = f"{prefix}/{_rank_name(0)}/zarr.json"
+                    if not await self._request(self._store.exists(key)):
+                        raise ConfigurationError(
+                            f"rank {self.rank} does not see rank 0's part of step {step} at "
+                            f"{self.location}/{key}: every rank must give ZarrTier the same "
+                            "shared location"
+                        )
+                    self._shared_checked = True
+                return
+            record = {
+                "lazyckpt": {
+                    "format_version": FORMAT_VERSION,
+                    "step": step,
+                    "world_size": world_size,
+                    "parts": "rank-%05d",
+                }
+            }
+            await self._put(f"{prefix}/zarr.json", _group_doc(record))
+            await self._update_index(add=step)
 
     async def abort(self, step: int) -> None:
         with self._backend("abort"):
-            self._plans.pop(step, None)
-            self._begun.discard(step)
-            self._unsynced.pop(step, None)
-            if step not in self._committed(await self._read_root()):
+            self._forget(step)
+            if step in self._committed(await self._read_root()):
+                return
+            if self.world_size == 1:
                 await self._store.delete_dir(_step_prefix(step))
+                return
+            # this rank's part only: the others may still be writing theirs
+            await self._store.delete_dir(_part_prefix(step, self.rank, self.world_size))
+            if isinstance(self._store, DurableLocalStore):
+                await self._store.remove_empty_dir(_step_prefix(step))
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -1009,43 +1110,81 @@ class ZarrTier(Tier):
             return self._committed(await self._read_root())
 
     async def read_manifest(self, step: int) -> Manifest:
+        return await self.read_rank_manifest(step, self.rank)
+
+    async def read_rank_manifest(self, step: int, rank: int) -> Manifest:
+        """Rank ``rank``'s manifest of a committed step. A step written by a single process
+        has one manifest, returned for any rank; a step of several ranks that has no part of
+        ``rank`` raises :class:`~lazyckpt.CorruptionError` (a resharding restore then reads
+        another rank's)."""
         with self._backend("read manifest"):
             if step not in self._committed(await self._read_root()):
                 raise SnapshotNotFoundError(f"step {step} is not committed on {self.name!r}")
-            source = f"{self.name}:{self.location}/{_step_prefix(step)}/zarr.json"
-            raw = await self._get(f"{_step_prefix(step)}/zarr.json")
-            if raw is None:
-                raise CorruptionError(f"{source} is missing")
+            key = f"{_step_prefix(step)}/zarr.json"
+            attrs = await self._group_attributes(key)
+            if "manifest" not in attrs:  # the commit record of a step of several ranks
+                world = attrs.get("world_size")
+                if type(world) is not int or world < 2:
+                    raise CorruptionError(
+                        f"{self.name}:{self.location}/{key} is damaged: no manifest and no "
+                        "world size"
+                    )
+                if not 0 <= rank < world:
+                    raise CorruptionError(
+                        f"step {step} was written by {world} ranks: it has no part of rank {rank}"
+                    )
+                key = f"{_part_prefix(step, rank, world)}/zarr.json"
+                attrs = await self._group_attributes(key)
+            source = f"{self.name}:{self.location}/{key}"
             try:
-                doc = json.loads(raw.to_bytes())["attributes"]["lazyckpt"]["manifest"]
-            except (ValueError, KeyError, TypeError) as exc:
+                manifest = Manifest.from_json(json.dumps(attrs["manifest"]), source=source)
+            except KeyError as exc:
                 raise CorruptionError(f"{source} is damaged: {exc!r:.200}") from exc
-            manifest = Manifest.from_json(json.dumps(doc), source=source)
             if manifest.step != step:
                 raise CorruptionError(f"{source} holds step {manifest.step}, not {step}")
+            if manifest.world_size > 1 and manifest.rank != rank:
+                raise CorruptionError(
+                    f"{source} holds rank {manifest.rank}'s manifest, not {rank}'s"
+                )
             return manifest
 
-    async def _pack_geometry(self, step: int) -> _PackGeometry:
+    async def _group_attributes(self, key: str) -> dict[str, Any]:
+        """``attributes.lazyckpt`` of the group document at ``key`` of a committed step."""
+        source = f"{self.name}:{self.location}/{key}"
+        raw = await self._get(key)
+        if raw is None:
+            raise CorruptionError(f"{source} is missing from a committed step")
+        try:
+            attrs = json.loads(raw.to_bytes())["attributes"]["lazyckpt"]
+            if not isinstance(attrs, dict):
+                raise TypeError("attributes.lazyckpt is not an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptionError(f"{source} is damaged: {exc!r:.200}") from exc
+        return attrs
+
+    async def _pack_geometry(self, plan: _Plan) -> _PackGeometry:
         # Read from the store, never derived from this tier's options: the writer may have
         # used another pack_chunk_bytes.
-        geometry = self._geometry.get(step)
+        at = (plan.manifest.step, plan.manifest.rank)
+        geometry = self._geometry.get(at)
         if geometry is None:
-            key = f"{_step_prefix(step)}/packed/zarr.json"
+            key = f"{plan.prefix}/packed/zarr.json"
             raw = await self._get(key)
             if raw is None:
                 raise CorruptionError(f"{self.location}/{key} is missing")
             geometry = _geometry_from_document(raw.to_bytes(), f"{self.location}/{key}")
-            self._geometry[step] = geometry
+            self._geometry[at] = geometry
         return geometry
 
     async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
         with self._backend(f"read shard {shard.index}"):
             if len(out) != shard.length:
                 raise ConfigurationError(f"shard {shard.index}: out has {len(out)} bytes")
-            target = self._plan(manifest).targets[shard.index]
+            plan = self._plan(manifest)
+            target = plan.targets[shard.index]
             where = f"{self.name}:{self.location}/{target.key}"
             if isinstance(target, _PackTarget):
-                geometry = await self._pack_geometry(manifest.step)
+                geometry = await self._pack_geometry(plan)
                 if target.slot >= len(geometry.lengths) or (
                     geometry.lengths[target.slot] != shard.length
                 ):
@@ -1077,9 +1216,12 @@ class ZarrTier(Tier):
                 raise CorruptionError(f"{where} holds {size} bytes, not {expected}")
 
     async def delete(self, step: int) -> None:
+        """Un-commit ``step`` (remove it from the index), then remove its objects, every
+        rank's part. With several ranks this is rank 0's work, as committing is; on the
+        others it only forgets what this instance cached."""
         with self._backend(f"delete step {step}"):
+            self._forget(step)
+            if not self._committer:
+                return
             await self._update_index(remove=step)  # un-commit first
-            self._geometry.pop(step, None)
-            self._plans.pop(step, None)
-            self._unsynced.pop(step, None)
             await self._store.delete_dir(_step_prefix(step))

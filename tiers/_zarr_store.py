@@ -427,6 +427,23 @@ class DurableLocalStore(Store):
         self._check_writable()
         await self._run(self._delete_dir, prefix)
 
+    def _remove_empty_dir(self, prefix: str) -> bool:
+        directory = self._prefix_dir(prefix)
+        if directory == self.root:
+            return False
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (someone still writes under it), or already gone
+            return False
+        _fsync_dir(directory.parent)
+        return True
+
+    async def remove_empty_dir(self, prefix: str) -> bool:
+        """Remove the directory of ``prefix`` if nothing is left in it (atomic: a directory
+        that another writer filled in the meantime stays). Whether it was removed."""
+        self._check_writable()
+        return await self._run(self._remove_empty_dir, prefix)
+
     # -- listing -------------------------------------------------------------------------
 
     def _keys(self, prefix: str) -> list[str]:
