@@ -15,6 +15,14 @@ Layout under the root (a directory, an S3 prefix, or any Zarr v3 store)::
             zarr.json                array; attributes.lazyckpt.index: key -> offset, dtype,
             c/0, c/1, ...            shape. One shard object per pack shard.
 
+A snapshot written by several ranks has one such group per rank inside the step's group,
+and the step's own ``zarr.json`` is the commit record (step, world size, no manifest)::
+
+    step-000000000100/
+        zarr.json                    the commit record, written by rank 0
+        rank-00000/                  rank 0's part: zarr.json (its manifest), tensors/, packed/
+        rank-00001/                  rank 1's part, written by rank 1 alone
+
 Every array is uncompressed with a crc32c codec, so plain ``zarr`` (no lazyckpt installed)
 reads every tensor and detects a damaged chunk. dtypes zarr lacks (bfloat16, float8,
 complex32) are stored as unsigned integers of the same width; the real dtype is in the
@@ -28,6 +36,12 @@ the step added to its index: one atomic object write (an S3 PUT, or a rename her
 missing from the index does not exist for ``steps()`` or restore, and ``open()`` removes
 what a crash left of it. Listing committed steps reads that one small object and never
 lists the keys of a snapshot.
+
+With several ranks, ``commit`` publishes only the rank's part (its group's ``zarr.json``);
+once every rank's part is durable and the ranks agreed (the engine's coordinator), rank 0's
+``commit_global`` writes the commit record and then the index. Only rank 0 ever writes the
+index (and deletes steps, and cleans up at ``open()``), so no two processes read-modify-write
+the same object, and no two ranks write any object in common.
 
 ``docs/zarr.md`` has the plain-zarr recipe and the S3 configuration.
 """
@@ -689,6 +703,9 @@ class ZarrTier(Tier):
     Each committed snapshot is a group that plain ``zarr`` opens and reads tensors from by
     their state-dict key (``docs/zarr.md``); small tensors are packed into one sharded
     array, so a checkpoint of thousands of tensors is a handful of objects.
+
+    With several ranks (a distributed Checkpointer), every rank gives the same location;
+    each writes its own part and rank 0 commits the step once all agreed.
 
     Args:
         location: a directory (local or Lustre; every write is fsynced), ``s3://bucket/prefix``,
