@@ -4,7 +4,10 @@
   against the number of bytes (it should grow with the first, not the second);
 - ``capture``: a ~1 GiB model-like state: time in ``snapshot()`` and capture bandwidth
   against a plain ``copy_`` of the same tensors into a pre-faulted buffer (and against
-  copy + crc32c, which is what a capture has to do);
+  copy + crc32c); side by side, the capture as it was before the checksum left it
+  (``capture_crc_inline``: each piece checksummed by the copying thread) and the checksum
+  stage without its lowered thread priority (``capture_crc_same_priority``), and for each
+  the time until the host tier holds the snapshot with its checksums;
 - ``flush``: FileTier, from ``snapshot()`` until durable, against a sequential write +
   fsync of the same bytes into the same directory;
 - ``restore``: from FileTier against a plain read of the same bytes, ``torch.load`` and
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -237,31 +241,120 @@ def bench_snapshot_latency(quick: bool, progress: Progress) -> dict[str, Any]:
 # -- capture vs memcpy ------------------------------------------------------------------------
 
 
-async def _capture(state: dict[str, torch.Tensor], reps: int, progress: Progress) -> dict[str, Any]:
+PIECE_CRC = 4 << 20  # piece size of the inline-checksum capture (as the library used)
+
+
+def _copy_and_crc(job: Any) -> int:
+    """The capture as it was before the checksum stage: copy each piece of a shard, then
+    checksum it on the same thread while it is still in cache; version check last."""
+    from lazyckpt._capture import check_versions, source_view
+
+    dest = job.block.tensor()
+    view = job.block.memoryview()
+    crc = 0
+    cursor = 0
+    for seg in job.shard.segments:
+        if seg.offset > cursor:
+            dest[cursor : seg.offset].zero_()
+            crc = crc32c.crc32c(view[cursor : seg.offset], value=crc)
+        meta = job.manifest.tensors[seg.tensor]
+        shape = job.manifest.segment_shape(seg)
+        nbytes = job.manifest.segment_nbytes(seg)
+        src = source_view(job, seg.tensor, seg.start, seg.stop)
+        out = dest[seg.offset : seg.offset + nbytes].view(meta.torch_dtype).view(shape)
+        if len(shape) >= 1 and shape[0] > 1 and nbytes > PIECE_CRC:
+            row_bytes = nbytes // shape[0]
+            rows = max(1, PIECE_CRC // row_bytes)
+            for r in range(0, shape[0], rows):
+                out[r : r + rows].copy_(src[r : r + rows])
+                lo = seg.offset + r * row_bytes
+                hi = seg.offset + min(shape[0], r + rows) * row_bytes
+                crc = crc32c.crc32c(view[lo:hi], value=crc)
+        else:
+            out.copy_(src)
+            crc = crc32c.crc32c(view[seg.offset : seg.offset + nbytes], value=crc)
+        cursor = seg.offset + nbytes
+    if cursor < job.shard.length:
+        dest[cursor : job.shard.length].zero_()
+        crc = crc32c.crc32c(view[cursor : job.shard.length], value=crc)
+    check_versions(job)
+    return crc
+
+
+class CrcInlineCapture:
+    """Capture backend and checksum stage in one, reproducing the design before the checksum
+    stage: the crc is computed inside the capture (so before ``captured()``), and the
+    checksum stage only hands it over."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads)
+        self._crcs: dict[int, int] = {}
+
+    async def capture(self, job: Any) -> None:
+        loop = asyncio.get_running_loop()
+        self._crcs[id(job.block)] = await loop.run_in_executor(self._pool, _copy_and_crc, job)
+
+    async def checksum(self, block: Any) -> int:
+        return self._crcs.pop(id(block))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _crc_inline(ckpt: lazyckpt.Checkpointer) -> None:
+    engine = ckpt._core.engine
+    engine.capture.close()
+    engine.checksums.close()
+    inline = CrcInlineCapture(engine.options.capture_threads)
+    engine.capture = inline
+    engine.checksums = inline
+
+
+def _checksums_same_priority(ckpt: lazyckpt.Checkpointer) -> None:
+    from lazyckpt._capture import ChecksumPool
+
+    engine = ckpt._core.engine
+    engine.checksums.close()
+    engine.checksums = ChecksumPool(niceness=0)
+
+
+# name -> how to change a default Checkpointer (None: leave it as it is)
+CAPTURE_VARIANTS: dict[str, Callable[[lazyckpt.Checkpointer], None] | None] = {
+    "capture": None,
+    "capture_crc_same_priority": _checksums_same_priority,
+    "capture_crc_inline": _crc_inline,
+}
+
+
+async def _capture(
+    state: dict[str, torch.Tensor],
+    reps: int,
+    progress: Progress,
+    variants: dict[str, Callable[[lazyckpt.Checkpointer], None] | None] | None = None,
+) -> dict[str, Any]:
+    variants = CAPTURE_VARIANTS if variants is None else variants
     nbytes = tree_bytes(state)
     layout = _layout(state)
     dest = prefaulted(_align(layout[-1][1] + nbytes))  # generous: includes the alignment gaps
     memcpy_into(dest, layout)  # warm caches and the thread pool once
     cap = _align(nbytes + 64 * MiB)
-    samples: dict[str, list[float]] = {
-        "memcpy": [],
-        "memcpy_crc32c": [],
-        "capture": [],
-        "capture_threads2": [],
-    }
+    samples: dict[str, list[float]] = {"memcpy": [], "memcpy_crc32c": []}
+    samples |= {name: [] for name in variants}
+    to_host: dict[str, list[float]] = {name: [] for name in variants}
     in_snapshot: list[float] = []
     capture_stats: list[float] = []
-    # the default (one capture thread) and two capture threads, each with its own arena
+    # each variant has its own Checkpointer (and arena), with the default options
     ckpts = {
-        "capture": lazyckpt.Checkpointer([HostMemoryTier(capacity_bytes=cap)], shard_size=SHARD),
-        "capture_threads2": lazyckpt.Checkpointer(
-            [HostMemoryTier(capacity_bytes=cap)], shard_size=SHARD, capture_threads=2
-        ),
+        name: lazyckpt.Checkpointer([HostMemoryTier(capacity_bytes=cap)], shard_size=SHARD)
+        for name in variants
     }
     metrics: dict[str, Any] = {}
     try:
-        for ckpt in ckpts.values():
+        for name, ckpt in ckpts.items():
             await ckpt.open()
+            change = variants[name]
+            if change is not None:
+                change(ckpt)
             h = await ckpt.snapshot(state, step=0)  # warm-up: first capture
             await h.committed()
         step = 0
@@ -274,43 +367,57 @@ async def _capture(state: dict[str, torch.Tensor], reps: int, progress: Progress
                 t1 = time.perf_counter()
                 await h.captured()
                 t2 = time.perf_counter()
-                await h.committed()
+                await h.committed()  # the host tier: every shard with its checksum
+                t3 = time.perf_counter()
                 samples[name].append(t2 - t0)
+                to_host[name].append(t3 - t0)
                 if name == "capture":
                     in_snapshot.append(t1 - t0)
                     assert h.stats is not None and h.stats.capture_s is not None
                     capture_stats.append(h.stats.capture_s)
-                progress(f"  rep {rep}: {name} {samples[name][-1]:.3f}s")
+                progress(f"  rep {rep}: {name} {samples[name][-1]:.3f}s, on host {t3 - t0:.3f}s")
             else:
                 t0 = time.perf_counter()
                 memcpy_into(dest, layout, crc=name == "memcpy_crc32c")
                 samples[name].append(time.perf_counter() - t0)
-        metrics = ckpts["capture"].metrics()
+        metrics = ckpts["capture"].metrics() if "capture" in ckpts else {}
     finally:
         for ckpt in ckpts.values():
             await ckpt.aclose()
     del dest
     summary = {k: summarize(v) for k, v in samples.items()}
     med = {k: v["median"] for k, v in summary.items()}
-    snap = summarize(in_snapshot)
-    return {
+    snap = summarize(in_snapshot) if in_snapshot else None
+    out: dict[str, Any] = {
         "bytes": nbytes,
         "tensors": len(state),
         "seconds": summary,
-        "snapshot_s": snap,
-        "capture_stats_s": summarize(capture_stats),
+        "to_host_s": {k: summarize(v) for k, v in to_host.items()},
         "gib_per_s": {k: nbytes / v / (1 << 30) for k, v in med.items()},
-        "snapshot_over_memcpy": snap["median"] / med["memcpy"],
-        "capture_over_memcpy_bw": med["memcpy"] / med["capture"],
-        "capture_over_memcpy_crc_bw": med["memcpy_crc32c"] / med["capture"],
-        "capture_threads2_over_memcpy_bw": med["memcpy"] / med["capture_threads2"],
         "arena_peak": metrics.get("arena", {}).get("peak"),
     }
+    for name in variants:
+        out[f"{name}_over_memcpy_bw"] = med["memcpy"] / med[name]
+        out[f"{name}_to_host_over_memcpy_crc_bw"] = (
+            med["memcpy_crc32c"] / out["to_host_s"][name]["median"]
+        )
+    if snap is not None:
+        out["snapshot_s"] = snap
+        out["capture_stats_s"] = summarize(capture_stats)
+        out["snapshot_over_memcpy"] = snap["median"] / med["memcpy"]
+        out["capture_over_memcpy_crc_bw"] = med["memcpy_crc32c"] / med["capture"]
+    return out
 
 
-def bench_capture(state: dict[str, torch.Tensor], reps: int, progress: Progress) -> dict[str, Any]:
-    """Time in ``snapshot()`` and capture bandwidth against memcpy (host tier only)."""
-    return asyncio.run(_capture(state, reps, progress))
+def bench_capture(
+    state: dict[str, torch.Tensor],
+    reps: int,
+    progress: Progress,
+    variants: dict[str, Callable[[lazyckpt.Checkpointer], None] | None] | None = None,
+) -> dict[str, Any]:
+    """Time in ``snapshot()`` and capture bandwidth against memcpy (host tier only), for
+    each of ``variants`` (default :data:`CAPTURE_VARIANTS`)."""
+    return asyncio.run(_capture(state, reps, progress, variants))
 
 
 # -- durable flush vs write + fsync -------------------------------------------------------------

@@ -22,8 +22,10 @@ each shard, in shard order. For the segments whose source is a CUDA tensor it
    one stream complete in order, so only the oldest copy of each device polls; the others
    wait for their turn on a future that the one before hands over;
 6. checks the version counters again (*completion check*) unless a stream guard fenced the
-   copy first (see below), then computes the crc32c of the block on the thread pool (the
-   ``crc32c`` package releases the GIL).
+   copy first (see below), and returns: the shard is captured. Its crc32c is not part of
+   the capture: the engine's checksum stage (``_capture.ChecksumPool``) computes it from the
+   pinned block afterwards, while the copies of the next shards run, so the guard never
+   waits for a checksum.
 
 Source tensors stay referenced by the copy's record until its event is seen complete. That,
 not ``record_stream``, is what keeps the caching allocator from handing their memory to a
@@ -69,7 +71,6 @@ import collections
 import concurrent.futures
 import contextlib
 import math
-import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -412,10 +413,6 @@ def _fill_host_part(
         raise found
 
 
-def _checksum(block: Block) -> int:
-    return crc32c.crc32c(block.memoryview())
-
-
 @dataclass(eq=False)
 class _Copy:
     """The device part of one shard on one device: its completion event, the references it
@@ -467,19 +464,12 @@ class PendingCapture(Protocol):
     def stats(self) -> _GuardStats: ...
 
 
-def _default_threads() -> int:
-    # crc32c runs at 10-20 GB/s per core; a PCIe 5 device-to-host copy at about 50 GB/s
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
 class CudaCapture:
     """Captures CUDA tensors with side-stream copies into the pinned arena (module docstring).
 
     Args:
-        cpu_threads: at least this many pool threads (they copy CPU-source segments and
-            compute checksums).
-        crc_threads: pool threads for checksums; ``None``: half the cores, at most 8. The
-            pool has ``max(cpu_threads, crc_threads)`` threads.
+        cpu_threads: pool threads that copy CPU-source segments and zero the gaps (the
+            checksums are not computed here: see the module docstring).
         max_inflight: copies per device enqueued and not yet seen complete. Enough to keep
             the copy engine busy through one poll interval; a bound so that the stream queue
             and the events held stay small.
@@ -492,23 +482,21 @@ class CudaCapture:
         self,
         cpu_threads: int = 1,
         *,
-        crc_threads: int | None = None,
         max_inflight: int = 32,
         poll: PollOptions | None = None,
         runtime: DeviceRuntime | None = None,
         sleep: Sleep | None = None,
     ) -> None:
-        if cpu_threads < 1 or (crc_threads is not None and crc_threads < 1):
-            raise ConfigurationError("cpu_threads and crc_threads must be at least 1")
+        if cpu_threads < 1:
+            raise ConfigurationError(f"cpu_threads must be at least 1, got {cpu_threads}")
         if max_inflight < 1:
             raise ConfigurationError(f"max_inflight must be at least 1, got {max_inflight}")
         self.max_inflight = max_inflight
         self._runtime: DeviceRuntime = runtime if runtime is not None else TorchCudaRuntime()
         self._poll = poll or PollOptions()
         self._sleep = sleep
-        threads = max(cpu_threads, crc_threads if crc_threads is not None else _default_threads())
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="lazyckpt-capture"
+            max_workers=cpu_threads, thread_name_prefix="lazyckpt-capture"
         )
         # one lock for what the training thread (mark_snapshot, fence) and the engine thread
         # share; reentrant because a future's done-callback may run inside it
@@ -597,12 +585,12 @@ class CudaCapture:
 
     # -- engine thread --------------------------------------------------------------------
 
-    async def capture(self, job: CaptureJob) -> int:
-        """Copy the shard into its block (see the module docstring); return its crc32c.
+    async def capture(self, job: CaptureJob) -> None:
+        """Copy the shard into its block (see the module docstring).
 
         Raises :class:`ImmutabilityViolationError` if a source changed before its copy was
         ordered or complete. Returns (or raises, cancellation included) only once no copy
-        writes into the block any more.
+        writes into the block any more; the block's bytes are then final.
         """
         step = job.manifest.step
         self._begin(step, len(job.manifest.shards))
@@ -643,7 +631,6 @@ class CudaCapture:
                 admitted.clear()
             if violation is not None:
                 raise violation
-            return await _in_pool(self._pool, _checksum, job.block)
         finally:
             for lane in admitted:
                 lane.window.release()

@@ -6,7 +6,10 @@ thread-safe futures and a lock.
 
 A snapshot in flight is a :class:`Flight`. Its coroutine allocates an arena block for each
 shard in order (waiting when the arena is full: backpressure), and starts one *shard flow*
-per shard: capture into the block, then put on each durable tier in chain order. Each shard
+per shard: capture into the block, then checksum the block, then put on each durable tier
+in chain order. The snapshot counts as captured (the guard lets the optimizer go on) once
+every shard is copied; the checksums follow on a pool of their own, off that critical path,
+and no tier sees a shard before its checksum is known. Each shard
 state change goes through the state table (``_state``); the flow never decides a rule
 itself. When the last shard reaches a tier, that tier commits the snapshot's manifest.
 
@@ -33,7 +36,7 @@ import torch
 
 from . import hooks
 from ._arena import Block, HostArena
-from ._capture import CaptureBackend, CaptureJob, CpuCapture
+from ._capture import CaptureBackend, CaptureJob, ChecksumPool, CpuCapture
 from ._cuda import CudaCapture
 from ._distributed import Coordinator, distributed_context
 from ._errors import (
@@ -110,6 +113,7 @@ class Flight:
         self.crcs: list[int] = [0] * n
         self.blocks: list[Block | None] = [None] * n
         self.captured_count = 0
+        self.checksummed_count = 0
         self.persisted = [0] * len(tier_names)
         self.failed_from: int | None = None  # first stage index that failed (0 = capture)
         self.errors: list[Exception] = []
@@ -173,6 +177,7 @@ class Engine:
             )
         self.loop = EngineLoop(use_uvloop=options.use_uvloop)
         self.capture: CaptureBackend = _default_capture(options)
+        self.checksums = ChecksumPool()
         self.flights: dict[int, Flight] = {}
         self.protected: dict[int, int] = {}  # step -> restores in progress
         self._lock = threading.Lock()
@@ -262,6 +267,7 @@ class Engine:
             )
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.capture.close)
+            await loop.run_in_executor(None, self.checksums.close)
             if self.host is None:
                 self.arena.release_memory()
             errors = [r for r in results if isinstance(r, BaseException)]
@@ -411,7 +417,8 @@ class Engine:
             await self._finish(flight)
 
     async def _commit_empty(self, flight: Flight) -> None:
-        await self._on_all_captured(flight)
+        self._on_all_captured(flight)
+        await self._on_all_checksummed(flight)
         for k in range(1, len(self.stage_names)):
             await self._commit(flight, k)
 
@@ -419,22 +426,31 @@ class Engine:
         m = flight.manifest
         t0 = time.perf_counter()
         try:
-            crc = await self.capture.capture(CaptureJob(m, shard, flight.refs, block))
+            await self.capture.capture(CaptureJob(m, shard, flight.refs, block))
         except Exception as exc:
             self._fail(flight, 0, exc)
             self.arena.release(block)
             flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
             return
-        flight.crcs[i] = crc
         flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
         hooks.point("capture.done")
+        flight.captured_count += 1
+        if flight.captured_count == len(m.shards):
+            self._on_all_captured(flight)
+        crc = await self._checksum(flight, block)
+        if crc is None:
+            self.arena.release(block)
+            flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
+            return
+        flight.crcs[i] = crc
+        flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
         shard = replace(shard, crc32c=crc)
         self._count(0, shard.length, time.perf_counter() - t0)
         if self.staging is not None:
             self.staging.adopt(m, shard, block)
-        flight.captured_count += 1
-        if flight.captured_count == len(m.shards):
-            await self._on_all_captured(flight)
+        flight.checksummed_count += 1
+        if flight.checksummed_count == len(m.shards):
+            await self._on_all_checksummed(flight)
         adopted = block if self.host is not None else None
         holding = True
         try:
@@ -473,6 +489,18 @@ class Engine:
             if adopted is None:  # nobody keeps staging blocks once the shard is through
                 self.arena.discard(block)
 
+    async def _checksum(self, flight: Flight, block: Block) -> int | None:
+        """The crc32c of a captured shard's block; None once the snapshot failed (on this
+        checksum or any other shard's capture or checksum): no tier takes its shards then."""
+        if self._failed_at(flight, 0):
+            return None
+        try:
+            crc = await self.checksums.checksum(block)
+        except Exception as exc:
+            self._fail(flight, 0, exc)
+            return None
+        return None if self._failed_at(flight, 0) else crc
+
     def _release(self, block: Block, adopted: Block | None) -> None:
         """Drop the flow's hold; a block the host tier adopted stays for it, evictable."""
         if block is adopted and not block.evictable:
@@ -505,12 +533,18 @@ class Engine:
         if self.staging is not None:
             self.staging.evicted(block)
 
-    async def _on_all_captured(self, flight: Flight) -> None:
+    def _on_all_captured(self, flight: Flight) -> None:
+        """Every shard is copied and the versions held: the tensors may change now."""
         if self._failed_at(flight, 0):
             return
         flight.stats.capture_s = time.perf_counter() - flight.t_submit
         if not flight.captured.done():
             flight.captured.set_result(None)
+
+    async def _on_all_checksummed(self, flight: Flight) -> None:
+        """Every shard is on the host with its checksum: the host stage is reached."""
+        if self._failed_at(flight, 0):
+            return
         if self.host is not None:
             await self._commit(flight, 0)
         else:

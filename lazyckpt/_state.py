@@ -4,17 +4,23 @@ Theory of operation
 -------------------
 A snapshot is cut into shards (see ``_layout``). Each shard moves through
 
-    CAPTURED ──► ON_HOST ──► ON_LOCAL ──► ON_PFS
-        └───────────┴───────────┴───────────┴──► FAILED
+    CAPTURED ──► COPIED ──► ON_HOST ──► ON_LOCAL ──► ON_PFS
+        └──────────┴──────────┴───────────┴───────────┴──► FAILED
 
 CAPTURED
     ``snapshot()`` recorded the tensor references and their version counters; no byte has
     been copied. The capture backend moves the shard out, with CAPTURE_DONE once its bytes
     sit in a host buffer and its version counters still match.
+COPIED
+    The bytes are in a host block and the source tensors may change now: a snapshot whose
+    shards are all here (or further) counts as captured, and the guard lets the optimizer
+    step go. The shard has no checksum yet; the scheduler's checksum stage computes it from
+    the host block and moves the shard on with CHECKSUM_DONE. Nothing leaves host memory
+    from here: no tier accepts a shard without its checksum.
 ON_HOST
-    The bytes are in host memory (the arena). The source tensors may change now. The
-    scheduler moves the shard on with PERSISTED once the next tier of the chain reports it
-    durable.
+    The bytes are in host memory (the arena) and their crc32c is known. The host tier may
+    keep the shard now. The scheduler moves it on with PERSISTED once the next tier of the
+    chain reports it durable.
 ON_LOCAL / ON_PFS
     Durable on a tier of that level (fsync'd, or acknowledged by the object store).
 FAILED
@@ -62,6 +68,7 @@ class ShardState(enum.Enum):
     """Where a shard's bytes are. See the module docstring."""
 
     CAPTURED = "captured"
+    COPIED = "copied"
     ON_HOST = "on_host"
     ON_LOCAL = "on_local"
     ON_PFS = "on_pfs"
@@ -72,6 +79,7 @@ class Event(enum.Enum):
     """What happened to a shard."""
 
     CAPTURE_DONE = "capture_done"
+    CHECKSUM_DONE = "checksum_done"
     PERSISTED = "persisted"
     FAIL = "fail"
 
@@ -121,8 +129,10 @@ def build_table(levels: Sequence[TierLevel]) -> StateTable:
             f"pfs), one tier per level; got {[lv.name for lv in chain]}"
         )
     transitions: dict[tuple[ShardState, Event], ShardState] = {
-        (ShardState.CAPTURED, Event.CAPTURE_DONE): ShardState.ON_HOST,
+        (ShardState.CAPTURED, Event.CAPTURE_DONE): ShardState.COPIED,
         (ShardState.CAPTURED, Event.FAIL): ShardState.FAILED,
+        (ShardState.COPIED, Event.CHECKSUM_DONE): ShardState.ON_HOST,
+        (ShardState.COPIED, Event.FAIL): ShardState.FAILED,
     }
     previous = ShardState.ON_HOST
     for level in chain:

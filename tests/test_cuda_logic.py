@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,7 +36,7 @@ from lazyckpt import (
     Manifest,
     ShardMeta,
 )
-from lazyckpt._capture import CaptureJob, CpuCapture
+from lazyckpt._capture import CaptureJob, CpuCapture, block_checksum
 from lazyckpt._cuda import (
     CudaCapture,
     InflightWindow,
@@ -48,7 +49,8 @@ from lazyckpt._cuda import (
 )
 from lazyckpt._manifest import plan_layout
 from lazyckpt._tree import TensorRef, walk_state
-from tiers import HostMemoryTier
+from lazyckpt.testing import FaultyTier
+from tiers import FileTier, HostMemoryTier
 
 # -- the fake device ------------------------------------------------------------------------
 
@@ -401,7 +403,7 @@ async def test_pool_work_outlives_a_cancelled_caller() -> None:
 # -- capture ----------------------------------------------------------------------------------
 
 
-async def test_capture_writes_the_same_bytes_and_checksums_as_the_cpu_path(
+async def test_capture_writes_the_same_bytes_as_the_cpu_path(
     arena: HostArena, rt: FakeRuntime
 ) -> None:
     rt.polls_before_done = 3
@@ -414,15 +416,15 @@ async def test_capture_writes_the_same_bytes_and_checksums_as_the_cpu_path(
     capture = CudaCapture(runtime=rt, max_inflight=2)
     cpu = CpuCapture()
     try:
-        crcs = await asyncio.gather(*(capture.capture(j) for j in jobs))
-        expected = [await cpu.capture(j) for j in cpu_jobs]
+        await asyncio.gather(*(capture.capture(j) for j in jobs))
+        for j in cpu_jobs:
+            await cpu.capture(j)
     finally:
         capture.close()
         cpu.close()
-    assert crcs == expected
     for job, ref_job in zip(jobs, cpu_jobs, strict=True):
         assert bytes(job.block.memoryview()) == bytes(ref_job.block.memoryview())
-        assert crc32c.crc32c(job.block.memoryview()) == crcs[job.shard.index]
+        assert block_checksum(job.block) == block_checksum(ref_job.block)
     device_keys = {k for k in ("rows", "flat", "bias", "codes", "half")}
     assert len(rt.copied) == sum(
         1 for s in manifest.shards for seg in s.segments if refs[seg.tensor].key in device_keys
@@ -430,7 +432,7 @@ async def test_capture_writes_the_same_bytes_and_checksums_as_the_cpu_path(
     assert all(not e.ops and e.complete for e in rt.copy_events)
 
 
-async def test_the_checksum_waits_for_the_copy_to_complete(
+async def test_the_capture_returns_only_once_the_copy_is_complete(
     arena: HostArena, rt: FakeRuntime
 ) -> None:
     rt.budget = 0
@@ -446,10 +448,10 @@ async def test_the_checksum_waits_for_the_copy_to_complete(
         assert event.queries >= 3  # polled, again and again, without blocking
         assert bytes(job.block.memoryview()[:16]) == b"\xab" * 16  # the "DMA" has not run
         rt.budget = None
-        crc = await asyncio.wait_for(flow, 5)
+        await asyncio.wait_for(flow, 5)
     finally:
         capture.close()
-    assert crc == crc32c.crc32c(t.numpy().tobytes())
+    assert block_checksum(job.block) == crc32c.crc32c(t.numpy().tobytes())
 
 
 async def test_copies_in_flight_are_bounded_and_enqueued_in_shard_order(
@@ -610,7 +612,7 @@ async def test_bookkeeping_stays_bounded_over_many_snapshots(
 # -- the stream guard ---------------------------------------------------------------------------
 
 
-async def start_all(capture: CudaCapture, jobs: list[CaptureJob]) -> list[asyncio.Task[int]]:
+async def start_all(capture: CudaCapture, jobs: list[CaptureJob]) -> list[asyncio.Task[None]]:
     return [asyncio.create_task(capture.capture(j)) for j in jobs]
 
 
@@ -639,10 +641,10 @@ async def test_the_fence_orders_the_compute_stream_without_waiting_for_the_copy(
         t.add_(0)  # the optimizer step, issued after the fence: the GPU runs it after the copy
         step_count.add_(1)
         rt.budget = None
-        crcs = await asyncio.wait_for(asyncio.gather(*flows), 5)
+        await asyncio.wait_for(asyncio.gather(*flows), 5)
     finally:
         capture.close()
-    assert len(crcs) == len(manifest.shards)
+    assert all(flow.done() and flow.exception() is None for flow in flows)
 
 
 async def test_a_change_issued_before_the_fence_still_fails_the_snapshot(
@@ -850,7 +852,9 @@ async def captured_shards(
     cpu = CpuCapture()
     try:
         jobs = make_jobs(manifest, refs, arena)
-        crcs = [await cpu.capture(j) for j in jobs]
+        for j in jobs:
+            await cpu.capture(j)
+        crcs = [block_checksum(j.block) for j in jobs]
     finally:
         cpu.close()
     shards = {j.shard.index: bytes(j.block.memoryview()) for j in jobs}
@@ -931,3 +935,119 @@ async def test_restore_names_the_shard_no_tier_holds_intact(
     target = rt.to_device(torch.zeros(16, 128))
     with pytest.raises(CorruptionError, match="no tier holds a good copy of shard 0"):
         await restore_into(manifest, [BytesTier("x", shards, corrupt=True)], [target], runtime=rt)
+
+
+# -- the checksum stage after a CUDA capture ---------------------------------------------------
+
+
+class HeldChecksums:
+    """The engine's checksum stage, held back until ``gate`` is set; ``fail`` makes every
+    checksum raise once released."""
+
+    def __init__(self, real: Any, *, fail: bool = False) -> None:
+        self.real = real
+        self.gate = threading.Event()
+        self.fail = fail
+        self.done = 0
+
+    async def checksum(self, block: Any) -> int:
+        await asyncio.to_thread(self.gate.wait, 30)
+        if self.fail:
+            raise OSError("checksum thread lost")
+        crc = int(await self.real.checksum(block))
+        self.done += 1
+        return crc
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def cuda_checkpointer(rt: FakeRuntime, **kwargs: Any) -> lazyckpt.SyncCheckpointer:
+    ckpt = lazyckpt.SyncCheckpointer(
+        [HostMemoryTier(8 << 20), *kwargs.pop("durable", [])],
+        shard_size=8192,
+        pack_bytes=1024,
+        retry_backoff=0.001,
+        **kwargs,
+    )
+    engine = ckpt._core.engine
+    engine.capture.close()
+    engine.capture = CudaCapture(runtime=rt)
+    return ckpt
+
+
+@pytest.mark.parametrize("mode", ["cpu", "stream"])
+def test_the_guard_does_not_wait_for_checksums_after_a_cuda_capture(
+    tmp_path: Path, mode: str
+) -> None:
+    """Both guards let the optimizer step go once the copies are complete; a parameter
+    changed then, before any checksum, does not reach the snapshot."""
+    rt = FakeRuntime()
+    model = torch.nn.Linear(64, 64)
+    for p in model.parameters():
+        rt.to_device(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with cuda_checkpointer(rt, durable=[FileTier(tmp_path / "f")]) as ckpt:
+        engine = ckpt._core.engine
+        capture = engine.capture
+        assert isinstance(capture, CudaCapture)
+        held = HeldChecksums(engine.checksums)
+        engine.checksums = held
+        ckpt.guard(opt, mode=mode)
+        model(torch.randn(4, 64)).sum().backward()
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        rt.budget = 0
+        capture.mark_snapshot(1)
+        handle = ckpt.snapshot({"model": model}, step=1)
+        time.sleep(0.1)
+        assert handle.state() == "capturing"  # the "DMA" has not run
+        rt.budget = None
+        handle.wait("captured", timeout=10)
+        assert capture._progress == {} and not capture._lanes[0].queue
+        assert held.done == 0
+        t0 = time.perf_counter()
+        opt.step()  # the guard: nothing pending, whatever the checksums do
+        assert time.perf_counter() - t0 < 5
+        assert not rt.compute.get(0) or not rt.compute[0].log  # nothing left to fence
+        opt.zero_grad()
+        held.gate.set()
+        handle.wait("committed", timeout=10)
+        assert handle._flight is not None
+        assert held.done == len(handle._flight.manifest.shards)
+        restored = ckpt.restore(step=1)
+    for key, value in expected.items():
+        assert torch.equal(restored["model"][key], value), key
+    assert not torch.equal(model.weight.detach(), expected["weight"])
+    with lazyckpt.SyncCheckpointer([FileTier(tmp_path / "f")]) as fresh:
+        from_file = fresh.restore(step=1)
+    for key, value in expected.items():
+        assert torch.equal(from_file["model"][key], value), key
+
+
+def test_a_failing_checksum_after_a_cuda_capture_fails_cleanly(tmp_path: Path) -> None:
+    rt = FakeRuntime()
+    t = rt.to_device(torch.randn(48, 128))  # three chunks
+    durable = FaultyTier(FileTier(tmp_path / "f"))
+    with cuda_checkpointer(rt, durable=[durable]) as ckpt:
+        engine = ckpt._core.engine
+        capture = engine.capture
+        assert isinstance(capture, CudaCapture)
+        held = HeldChecksums(engine.checksums, fail=True)
+        engine.checksums = held
+        capture.mark_snapshot(1)
+        handle = ckpt.snapshot({"t": t}, step=1)
+        handle.wait("captured", timeout=10)  # every copy completed; nothing checksummed
+        held.gate.set()
+        with pytest.raises(lazyckpt.SnapshotFailedError) as info:
+            handle.wait("committed", timeout=10)
+        assert info.group_contains(OSError, match="checksum thread lost")
+        engine.loop.submit(engine.drain()).result(10)
+        arena = engine.arena.stats()
+        assert (arena.held, arena.evictable) == (0, 0)
+        assert rt.outstanding == 0 and capture._lanes[0].window.held == 0
+        assert durable.calls["put_shard"] == 0 and durable.calls["commit"] == 0
+        assert ckpt.steps() == []
+        engine.checksums = held.real  # the checksums work again: so does the next snapshot
+        capture.mark_snapshot(2)
+        ckpt.snapshot({"t": t}, step=2).wait("committed", timeout=10)
+        assert torch.equal(ckpt.restore(step=2)["t"], t)

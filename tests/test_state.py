@@ -29,6 +29,8 @@ CHAINS = [
 def test_happy_path_reaches_the_terminal_state(levels: list[TierLevel]) -> None:
     table = build_table(levels)
     state = advance(table, ShardState.CAPTURED, Event.CAPTURE_DONE)
+    assert state is ShardState.COPIED
+    state = advance(table, state, Event.CHECKSUM_DONE)
     assert state is ShardState.ON_HOST
     for level in levels:
         state = advance(table, state, Event.PERSISTED)
@@ -36,6 +38,30 @@ def test_happy_path_reaches_the_terminal_state(levels: list[TierLevel]) -> None:
     assert state is table.terminal
     with pytest.raises(InvalidTransitionError):
         advance(table, state, Event.PERSISTED)
+
+
+@pytest.mark.parametrize("levels", CHAINS)
+def test_no_tier_takes_a_shard_before_its_checksum(levels: list[TierLevel]) -> None:
+    """A copied shard has no checksum yet: it can be checksummed or fail, nothing else; the
+    checksum comes only after the copy, and only once."""
+    table = build_table(levels)
+    assert {e for (s, e) in table.transitions if s is ShardState.COPIED} == {
+        Event.CHECKSUM_DONE,
+        Event.FAIL,
+    }
+    assert advance(table, ShardState.COPIED, Event.FAIL) is ShardState.FAILED
+    for event in (Event.PERSISTED, Event.CAPTURE_DONE):
+        with pytest.raises(InvalidTransitionError):
+            advance(table, ShardState.COPIED, event)
+    with pytest.raises(InvalidTransitionError):
+        advance(table, ShardState.CAPTURED, Event.CHECKSUM_DONE)
+    with pytest.raises(InvalidTransitionError):
+        advance(table, ShardState.ON_HOST, Event.CHECKSUM_DONE)
+    # every edge into a durable state starts from a state the checksum was computed in
+    durable = {table.state_of_level(lv) for lv in levels}
+    for (source, _event), target in table.transitions.items():
+        if target in durable:
+            assert source not in (ShardState.CAPTURED, ShardState.COPIED)
 
 
 def test_host_to_pfs_skips_local() -> None:
@@ -63,7 +89,7 @@ def test_random_event_sequences_respect_the_table(
     """Whatever happens, a shard only moves along table edges, FAILED and the terminal
     state are absorbing, and states only move forward along the chain."""
     table = build_table(levels)
-    order = [ShardState.CAPTURED, ShardState.ON_HOST] + [table.state_of_level(lv) for lv in levels]
+    order = [ShardState.CAPTURED, ShardState.COPIED, ShardState.ON_HOST] + [table.state_of_level(lv) for lv in levels]
     state = ShardState.CAPTURED
     for event in events:
         try:

@@ -1,0 +1,226 @@
+"""The checksum stage: after the capture, off the guard's path, before any tier.
+
+A shard counts as captured once its bytes are in its host block; its crc32c is computed
+afterwards from that block. These tests hold the checksum stage back (or break it) and check
+what a user sees: the guard and ``captured()`` do not wait for it, a tensor changed meanwhile
+does not reach the snapshot, no tier gets a shard or a manifest without its checksum, and a
+failing checksum fails the snapshot cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt import ConfigurationError, ShardState, SnapshotFailedError
+from lazyckpt._arena import Block
+from lazyckpt._capture import ChecksumPool, block_checksum
+from lazyckpt.testing import FaultyTier
+from tiers import FileTier, HostMemoryTier
+
+SMALL: dict[str, Any] = {"shard_size": 1 << 16, "pack_bytes": 4096, "retry_backoff": 0.001}
+
+
+def state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 256, generator=g), "b": torch.randn(100, generator=g)}
+
+
+class HeldChecksums:
+    """Wraps the engine's checksum stage: every checksum waits for ``gate``; ``fail_at``
+    (a count of checksums started) makes that one raise instead."""
+
+    def __init__(self, real: Any, *, fail_at: int | None = None) -> None:
+        self.real = real
+        self.gate = threading.Event()
+        self.started = 0
+        self.done = 0
+        self.fail_at = fail_at
+
+    async def checksum(self, block: Block) -> int:
+        self.started += 1
+        mine = self.started
+        await asyncio.to_thread(self.gate.wait, 30)
+        if mine == self.fail_at:
+            raise OSError("checksum thread lost")
+        crc = int(await self.real.checksum(block))
+        self.done += 1
+        return crc
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def hold_checksums(ckpt: lazyckpt.Checkpointer, **kwargs: Any) -> HeldChecksums:
+    engine = ckpt._core.engine
+    held = HeldChecksums(engine.checksums, **kwargs)
+    engine.checksums = held
+    return held
+
+
+async def test_captured_and_the_guard_resolve_before_the_checksums(tmp_path: Path) -> None:
+    file_tier = FaultyTier(FileTier(tmp_path / "f"))
+    async with lazyckpt.Checkpointer([HostMemoryTier(8 << 20), file_tier], **SMALL) as ckpt:
+        held = hold_checksums(ckpt)
+        handle = await ckpt.snapshot(state(1), step=1)
+        await asyncio.wait_for(handle.captured(), 10)
+        await asyncio.wait_for(ckpt.wait_captured(), 10)  # what the guard waits for
+        assert handle.state() == "captured"
+        assert held.done == 0 and held.started >= 1
+        engine = ckpt._core.engine
+        flight = engine.flights[1]
+        assert ShardState.COPIED in flight.states
+        assert ShardState.ON_HOST not in flight.states
+        assert engine.metrics()["shards_in_flight"].get("COPIED", 0) >= 1
+        # no tier has seen a shard or a manifest yet
+        assert file_tier.calls["put_shard"] == 0 and file_tier.calls["commit"] == 0
+        assert await ckpt.steps() == []
+        held.gate.set()
+        await asyncio.wait_for(handle.committed(), 10)
+        assert held.done == len(flight.manifest.shards)
+    async with lazyckpt.Checkpointer([FileTier(tmp_path / "f")]) as fresh:
+        restored = await fresh.restore(step=1)
+    assert torch.equal(restored["w"], state(1)["w"])
+
+
+def test_the_optimizer_step_goes_on_while_the_checksums_wait() -> None:
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with lazyckpt.SyncCheckpointer([HostMemoryTier(8 << 20)], **SMALL) as ckpt:
+        held = hold_checksums(ckpt)
+        ckpt.guard(opt)
+        model(torch.randn(4, 64)).sum().backward()
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = ckpt.snapshot({"model": model}, step=1)
+        handle.wait("captured", timeout=10)
+        done = threading.Event()
+
+        def step() -> None:
+            opt.step()  # the guard's pre-hook runs here
+            done.set()
+
+        stepper = threading.Thread(target=step)
+        stepper.start()
+        assert done.wait(10), "the guard waited for the checksums"
+        stepper.join()
+        assert held.done == 0
+        held.gate.set()
+        handle.wait("committed", timeout=10)
+        restored = ckpt.restore(step=1)
+    for key, value in expected.items():
+        assert torch.equal(restored["model"][key], value), key
+    assert not torch.equal(model.weight.detach(), expected["weight"])
+
+
+async def test_a_tensor_changed_after_captured_does_not_reach_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    async with lazyckpt.Checkpointer(
+        [HostMemoryTier(8 << 20), FileTier(tmp_path / "f")], **SMALL
+    ) as ckpt:
+        held = hold_checksums(ckpt)
+        live = state(1)
+        before = {k: v.clone() for k, v in live.items()}
+        handle = await ckpt.snapshot(live, step=1)
+        await asyncio.wait_for(handle.captured(), 10)
+        for t in live.values():
+            t.mul_(-3).add_(7)  # the optimizer step, before any checksum is done
+        assert held.done == 0
+        held.gate.set()
+        await asyncio.wait_for(handle.committed(), 10)  # no ImmutabilityViolationError
+        manifest = await ckpt.tiers[1].read_manifest(1)
+        from_host = await ckpt.restore(step=1)  # verifies every shard's checksum
+    assert all(s.crc32c is not None for s in manifest.shards)
+    async with lazyckpt.Checkpointer([FileTier(tmp_path / "f")]) as fresh:
+        from_file = await fresh.restore(step=1)
+        report = await fresh.verify(step=1)
+    for key, value in before.items():
+        assert torch.equal(from_host[key], value), key
+        assert torch.equal(from_file[key], value), key
+        assert not torch.equal(live[key], value)
+    assert report.ok
+
+
+@pytest.mark.parametrize("with_file", [False, True])
+async def test_a_failing_checksum_fails_the_snapshot_and_leaks_no_block(
+    tmp_path: Path, with_file: bool
+) -> None:
+    tiers: list[Any] = [HostMemoryTier(8 << 20)]
+    if with_file:
+        tiers.append(FaultyTier(FileTier(tmp_path / "f")))
+    async with lazyckpt.Checkpointer(tiers, **SMALL) as ckpt:
+        held = hold_checksums(ckpt, fail_at=2)
+        handle = await ckpt.snapshot(state(1), step=1)
+        await asyncio.wait_for(handle.captured(), 10)  # every shard was copied
+        held.gate.set()
+        with pytest.raises(SnapshotFailedError) as info:
+            await asyncio.wait_for(handle.committed(), 10)
+        assert info.group_contains(OSError, match="checksum thread lost")
+        assert handle.state() == "failed"
+        engine = ckpt._core.engine
+        await asyncio.wait_for(asyncio.wrap_future(engine.loop.submit(engine.drain())), 10)
+        arena = engine.arena.stats()
+        assert (arena.held, arena.evictable) == (0, 0)
+        assert await ckpt.steps() == []
+        if with_file:
+            assert tiers[1].calls["commit"] == 0
+            assert await tiers[1].steps() == []
+        # the next snapshot is whole again
+        engine.checksums = held.real
+        await (await ckpt.snapshot(state(2), step=2)).committed()
+        assert await ckpt.steps() == [2]
+        assert torch.equal((await ckpt.restore(step=2))["w"], state(2)["w"])
+
+
+async def test_a_failing_checksum_is_reported_by_the_next_snapshot() -> None:
+    async with lazyckpt.Checkpointer([HostMemoryTier(8 << 20)], **SMALL) as ckpt:
+        held = hold_checksums(ckpt, fail_at=1)
+        await ckpt.snapshot(state(1), step=1)
+        held.gate.set()
+        await asyncio.wait_for(
+            asyncio.wrap_future(ckpt._core.engine.loop.submit(ckpt._core.engine.drain())), 10
+        )
+        with pytest.raises(SnapshotFailedError, match="step 1"):
+            await ckpt.snapshot(state(2), step=2)
+
+
+async def test_checksum_pool_checksums_a_block() -> None:
+    arena = lazyckpt.HostArena(1 << 20, pinned=False)
+    arena.allocate_memory()
+    block = arena.try_allocate(12345)
+    assert block is not None
+    block.tensor().copy_(torch.randint(0, 256, (12345,), dtype=torch.uint8))
+    pool = ChecksumPool(2)
+    try:
+        crc = await pool.checksum(block)
+    finally:
+        pool.close()
+    assert crc == block_checksum(block) == crc32c.crc32c(bytes(block.memoryview()))
+    with pytest.raises(ConfigurationError):
+        ChecksumPool(0)
+    with pytest.raises(ConfigurationError):
+        ChecksumPool(1, niceness=-1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+async def test_checksum_threads_run_at_a_lower_priority() -> None:
+    import os
+
+    pool = ChecksumPool(1, niceness=5)
+    try:
+        loop = asyncio.get_running_loop()
+        theirs = await loop.run_in_executor(
+            pool._pool, lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        )
+    finally:
+        pool.close()
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert theirs == min(19, ours + 5)
