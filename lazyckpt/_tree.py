@@ -85,7 +85,7 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise CorruptionError(f"unknown dtype {name!r} in manifest") from None
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorRef:
     """A tensor found in the state, with what ``snapshot()`` recorded about it.
 
@@ -126,6 +126,14 @@ def _check_key(k: Any, parent: str) -> None:
 
 
 def _check_tensor(key: str, t: torch.Tensor) -> None:
+    # one cheap test for the usual case; the detailed ones only when it fails
+    if (
+        t.layout is torch.strided
+        and not t.is_quantized
+        and not t.is_meta
+        and t.dtype in _DTYPE_NAMES
+    ):
+        return
     if t.layout != torch.strided:
         raise UnsupportedStateError(
             f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors can be "
@@ -135,21 +143,37 @@ def _check_tensor(key: str, t: torch.Tensor) -> None:
         raise UnsupportedStateError(
             f"tensor {key!r} is quantized; dequantize it or store its int_repr() and scales."
         )
-    if t.device.type == "meta":
+    if t.is_meta:
         raise UnsupportedStateError(f"tensor {key!r} is on the meta device and has no data")
-    if t.dtype not in _DTYPE_NAMES:
-        raise UnsupportedStateError(f"tensor {key!r} has unsupported dtype {t.dtype}")
+    raise UnsupportedStateError(f"tensor {key!r} has unsupported dtype {t.dtype}")
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:
-    return (
-        t.device,
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-    )
+    # data_ptr() already includes the storage offset; with dtype, shape and strides it names
+    # exactly the same elements (a tied weight seen under two keys)
+    return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+# Child paths of string keys that passed _check_key, by (parent path, key). A model's state
+# has the same keys every step, so after the first snapshot() the per-key checks, escaping
+# and formatting become one dict lookup. Bounded: cleared when it grows past _CHILD_MAX.
+_CHILD: dict[tuple[str, str], str] = {}
+_CHILD_MAX = 1 << 15
+
+
+def _child_path(parent: str, k: str) -> str:
+    found = _CHILD.get((parent, k))
+    if found is not None:
+        return found
+    _check_key(k, parent)
+    child = f"{parent}/{_escape(k)}" if parent else _escape(k)
+    if len(_CHILD) >= _CHILD_MAX:
+        _CHILD.clear()
+    _CHILD[(parent, k)] = child
+    return child
+
+
+_Parameter = torch.nn.Parameter
 
 
 class _Walker:
@@ -157,7 +181,7 @@ class _Walker:
         self.allow_pickle = allow_pickle
         self.lenient = lenient
         self.tensors: list[TensorRef] = []
-        self._seen_tensor: dict[tuple[Any, ...], int] = {}
+        self._by_ptr: dict[int, list[int]] = {}  # data pointer -> first tensors there
         self._active: set[int] = set()
         self._replicated = 0  # depth of Replicated markers around the value being walked
 
@@ -225,22 +249,28 @@ class _Walker:
         if isinstance(obj, tuple):
             return {"$tuple": [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]}
         items = []
+        encode = self.encode
         for k, v in obj.items():
-            if not (k is None or type(k) in (bool, int, str, float, tuple)):
+            if type(k) is str:  # the usual case: a cached path, the key encodes as itself
+                if isinstance(v, torch.Tensor):
+                    items.append([k, {"$tensor": self._add_tensor(v, _child_path(key, k))}])
+                else:
+                    items.append([k, encode(v, _child_path(key, k))])
+                continue
+            if not (k is None or type(k) in (bool, int, float, tuple)):
                 raise UnsupportedStateError(
                     f"key {k!r} under {key!r} is of type {type(k).__qualname__}; "
                     "mapping keys must be str, int, float, bool, None or tuples of them"
                 )
-            _check_key(k, key)
             child = f"{key}/{_escape(str(k))}" if key else _escape(str(k))
-            items.append([self.encode(k, key), self.encode(v, child)])
+            items.append([encode(k, key), encode(v, child)])
         return {"$dict": items}
 
     def _add_tensor(self, t: torch.Tensor, key: str) -> int:
         key = key or "<root>"
         dist: DistInfo | None = None
         dtensor: torch.Tensor | None = None
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if type(t) is not torch.Tensor and type(t) is not _Parameter:
             from ._dtensor import local_chunk  # here for the same reason as Replicated
 
             found = local_chunk(t, key)
@@ -252,18 +282,26 @@ class _Walker:
             from ._dtensor import replicated_info
 
             dist = replicated_info(t)
-        ident = _identity(t)
-        first = self._seen_tensor.get(ident)
+        # aliases share a data pointer: the full identity is compared only on a shared one
+        ptr = t.data_ptr()
+        first: int | None = None
+        sharing = self._by_ptr.get(ptr)
+        if sharing is not None:
+            ident = _identity(t)
+            first = next((j for j in sharing if _identity(self.tensors[j].tensor) == ident), None)
         try:
             version: int | None = t._version
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
             version = None
         index = len(self.tensors)
         self.tensors.append(
-            TensorRef(key=key, tensor=t, version=version, alias_of=first, dist=dist, dtensor=dtensor)
+            TensorRef(key, t, version, first, dist, dtensor)
         )
         if first is None:
-            self._seen_tensor[ident] = index
+            if sharing is None:
+                self._by_ptr[ptr] = [index]
+            else:
+                sharing.append(index)
         return index
 
 

@@ -76,6 +76,31 @@ def test_tensors_and_aliases() -> None:
     assert refs[0].version == w._version
 
 
+def test_views_at_the_same_address_are_aliases_only_when_identical() -> None:
+    w = torch.arange(12.0).reshape(3, 4)
+    state = {
+        "w": w,
+        "row0": w[0],  # same data pointer, other shape: its own tensor
+        "flat": w.view(12),  # same pointer, other shape and strides
+        "t": w.t(),  # same pointer and numel, other strides
+        "again": w.detach(),  # another object, same elements: a tied weight
+        "bytes": w.view(torch.int32),  # same pointer and shape, other dtype
+    }
+    _tree, refs = walk_state(state, allow_pickle=False)
+    assert [r.alias_of for r in refs] == [None, None, None, None, 0, None]
+
+
+def test_key_checks_and_paths_are_the_same_on_every_walk() -> None:
+    # the second walk of the same keys takes the cached path; it must answer identically
+    state = {"a/b": {"50%": torch.zeros(1)}, "c": {"d": torch.zeros(1)}}
+    for _ in range(2):
+        _tree, refs = walk_state(state, allow_pickle=False)
+        assert [r.key for r in refs] == ["a%2Fb/50%25", "c/d"]
+    for _ in range(2):
+        with pytest.raises(UnsupportedStateError, match="not allowed"):
+            walk_state({"c": {"..": torch.zeros(1)}}, allow_pickle=False)
+
+
 def test_cycles_and_bad_keys_are_refused() -> None:
     loop: dict[str, Any] = {}
     loop["self"] = loop
