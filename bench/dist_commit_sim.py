@@ -5,8 +5,9 @@ logical rank ``begin``s its step (creates its data file), writes its one small s
 its part (its rank manifest, written to a temporary name, fsynced, renamed, the directory
 fsynced); then the commit record is written once. This is the metadata work a shared file
 system sees per committed step, without the data bandwidth. Then, optionally, the
-``all_gather_object`` the ranks agree with, timed over real gloo processes on loopback for
-small worlds.
+agreement the ranks run per step and tier, timed over real gloo processes on loopback for
+small worlds: the ``all_reduce`` lazyckpt uses, side by side with the ``all_gather_object``
+it replaced.
 
     python bench/dist_commit_sim.py                      # N = 8, 64, 512, 4096
     python bench/dist_commit_sim.py --ranks 8 64 --gloo 2 4 8
@@ -86,25 +87,38 @@ async def simulate(world: int, root: Path) -> dict[str, Any]:
 
 GLOO_CHILD = """
 import os, sys, time, json, datetime
+import torch
 import torch.distributed as dist
 dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
 group = dist.new_group(backend="gloo")
 out = [None] * dist.get_world_size()
-for _ in range(5):
-    dist.all_gather_object(out, (1, True), group=group)
-times = []
-for i in range(int(sys.argv[1])):
-    t0 = time.perf_counter()
+
+def gather(i):
     dist.all_gather_object(out, (i, True), group=group)
-    times.append(time.perf_counter() - t0)
+
+def reduce(i):  # what Coordinator.agree does on the common path
+    t = torch.tensor([i, -i, 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    t.tolist()
+
+for i in range(5):
+    gather(i)
+    reduce(i)
+times = {"all_gather_object": [], "all_reduce": []}
+for i in range(int(sys.argv[1])):  # alternating, so both see the same machine
+    for name, fn in (("all_gather_object", gather), ("all_reduce", reduce)):
+        t0 = time.perf_counter()
+        fn(i)
+        times[name].append(time.perf_counter() - t0)
 if dist.get_rank() == 0:
     print(json.dumps(times))
 dist.destroy_process_group()
 """
 
 
-def gloo_all_gather(world: int, rounds: int = 50) -> float:
-    """Median seconds of one ``all_gather_object`` of a ``(step, ok)`` pair over gloo."""
+def gloo_agreement(world: int, rounds: int = 50) -> dict[str, float]:
+    """Median seconds of one agreement over gloo, two ways: ``all_gather_object`` of a
+    ``(step, ok)`` pair (the old protocol) and ``all_reduce`` of three int64 (the current)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -135,7 +149,7 @@ def gloo_all_gather(world: int, rounds: int = 50) -> float:
                 p.kill()
                 p.wait()
     times = json.loads(outputs[0])
-    return float(statistics.median(times))
+    return {name: float(statistics.median(xs)) for name, xs in times.items()}
 
 
 def main() -> None:
@@ -157,15 +171,16 @@ def main() -> None:
             f"| {r['ranks']} | {r['files']} | {r['parts_s']:.2f} | {r['per_rank_ms']:.2f} | "
             f"{r['record_ms']:.2f} | {r['read_manifest_ms']:.2f} | {r['manifest_bytes_per_rank']} |"
         )
-    gathers = {}
+    agreements = {}
     if args.gloo:
-        print("\n| ranks (gloo, loopback) | all_gather_object median (ms) |")
-        print("|---:|---:|")
+        print("\n| ranks (gloo, loopback) | all_gather_object median (ms) | all_reduce median (ms) |")
+        print("|---:|---:|---:|")
         for world in args.gloo:
-            gathers[world] = gloo_all_gather(world)
-            print(f"| {world} | {gathers[world] * 1e3:.3f} |")
+            agreements[world] = gloo_agreement(world)
+            a = agreements[world]
+            print(f"| {world} | {a['all_gather_object'] * 1e3:.3f} | {a['all_reduce'] * 1e3:.3f} |")
     if args.json:
-        args.json.write_text(json.dumps({"commit": rows, "all_gather_s": gathers}, indent=1))
+        args.json.write_text(json.dumps({"commit": rows, "agreement_s": agreements}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ import asyncio
 import bisect
 import contextlib
 import mmap
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +40,38 @@ PAGE = 4096
 
 def _align(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+# cudaHostRegisterPortable: the pages count as pinned for every CUDA context of the process
+_REGISTER_PORTABLE = 1
+
+
+def host_register(address: int, nbytes: int) -> str | None:
+    """Page-lock ``[address, address + nbytes)`` for the CUDA driver; None on success, else
+    why not. Copies to and from the range are then asynchronous DMA, as with pin_memory."""
+    try:
+        status = _cudart().cudaHostRegister(address, nbytes, _REGISTER_PORTABLE)
+    except Exception as exc:  # no CUDA build, or a driver without the call
+        return f"{type(exc).__name__}: {exc}"
+    code = int(status[0] if isinstance(status, tuple) else status)
+    return None if code == 0 else f"cudaHostRegister returned {code}"
+
+
+def caching_pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of pinned memory from torch's caching host allocator, touched once."""
+    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    t.fill_(0)
+    return t
+
+
+def host_unregister(address: int) -> None:
+    """Undo :func:`host_register` (before the range is unmapped)."""
+    with contextlib.suppress(Exception):  # closing must not fail on a driver hiccup
+        _cudart().cudaHostUnregister(address)
 
 
 @dataclass(eq=False)
@@ -92,6 +126,7 @@ class HostArena:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._mmap: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
+        self._registered: int | None = None  # address page-locked with cudaHostRegister
         self._view: memoryview | None = None
         # free extents as parallel sorted lists of (offset, length)
         self._free_offsets: list[int] = []
@@ -111,18 +146,36 @@ class HostArena:
         return self._tensor is not None
 
     def allocate_memory(self) -> None:
-        """Allocate and pre-fault the pool (blocking; call it from a worker thread)."""
+        """Allocate and pre-fault the pool (blocking; call it from a worker thread).
+
+        The pool is an anonymous page-aligned mapping, touched once. When pinned, that same
+        mapping is page-locked in place with ``cudaHostRegister`` (exactly ``capacity``
+        bytes), rather than taken from torch's caching host allocator, which pins the next
+        power of two of what is asked (a 9 GiB arena would pin 16 GiB). If the driver
+        refuses the registration, the pool falls back to the caching allocator and says so.
+        """
         if self._tensor is not None:
             return
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap = mmap.mmap(-1, self.capacity, flags=flags)
+        t = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        t.fill_(0)  # touch every page now, not during the first capture
         if self.pinned:
-            t = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
-            t.fill_(0)
-        else:
-            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
-            self._mmap = mmap.mmap(-1, self.capacity, flags=flags)
-            t = torch.frombuffer(self._mmap, dtype=torch.uint8)
-            t.fill_(0)  # touch every page now, not during the first capture
+            error = host_register(t.data_ptr(), self.capacity)
+            if error is None:
+                self._registered = t.data_ptr()
+            else:
+                warnings.warn(
+                    f"page-locking the {self.capacity} byte arena in place failed ({error}); "
+                    "using torch's pinned allocator instead, which rounds the size up to a "
+                    "power of two",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
+                del t
+                self._unmap()
+                t = caching_pinned(self.capacity)
         self._tensor = t
         self._view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
         self._free_offsets = [0]
@@ -137,6 +190,12 @@ class HostArena:
             self._view.release()
         self._tensor = None
         self._view = None
+        if self._registered is not None:
+            host_unregister(self._registered)
+            self._registered = None
+        self._unmap()
+
+    def _unmap(self) -> None:
         if self._mmap is not None:
             with contextlib.suppress(BufferError):  # a view is still alive; GC unmaps it later
                 self._mmap.close()

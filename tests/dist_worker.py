@@ -4,6 +4,7 @@ WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT in the environment. Writes a J
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -45,8 +46,18 @@ async def run(scenario: str, root: Path, rank: int) -> dict[str, Any]:
                     os.kill(os.getpid(), signal.SIGKILL)
 
         hooks.set_hook(die)
+    if scenario == "fail" and rank == 1:
+        calls = [0]
+
+        def refuse(point: str) -> None:
+            if point == "file.commit.before_manifest":
+                calls[0] += 1
+                if calls[0] == 3:  # this rank cannot commit its part of step 2
+                    raise OSError(errno.EIO, "injected I/O error")
+
+        hooks.set_hook(refuse)
     async with lazyckpt.Checkpointer(chain, **options) as ckpt:
-        if scenario in ("commit", "kill"):
+        if scenario in ("commit", "kill", "fail"):
             errors = []
             for step in range(3 if scenario == "kill" else 4):
                 handle = await ckpt.snapshot(state_of(rank, step), step=step)
@@ -58,6 +69,7 @@ async def run(scenario: str, root: Path, rank: int) -> dict[str, Any]:
                         {
                             "step": step,
                             "types": sorted({type(e).__name__ for e in exc.exceptions}),
+                            "messages": [str(e) for e in exc.exceptions],
                             "seconds": time.monotonic() - t0,
                         }
                     )

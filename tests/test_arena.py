@@ -71,3 +71,74 @@ def test_pinned_without_cuda_is_refused() -> None:
         pytest.skip("this machine has CUDA; the refusal only applies without it")
     with pytest.raises(ConfigurationError, match="CUDA"):
         HostArena(1 << 20, pinned=True)
+
+
+class _FakeCudart:
+    """Records page-locking calls; ``status`` is what cudaHostRegister returns."""
+
+    def __init__(self, status: int = 0) -> None:
+        self.status = status
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.registered.append((address, nbytes, flags))
+        return self.status
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.unregistered.append(address)
+        return 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCudart:
+    import torch
+
+    from lazyckpt import _arena
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_arena, "_cudart", lambda: fake)
+    return fake
+
+
+def test_pinned_arena_page_locks_exactly_its_capacity_in_place(fake_cuda: _FakeCudart) -> None:
+    capacity = 9 * (1 << 20) + 4096  # not a power of two: nothing may round it up
+    arena = HostArena(capacity, pinned=True)
+    arena.allocate_memory()
+    address = arena.tensor.data_ptr()
+    assert fake_cuda.registered == [(address, capacity, 1)]
+    assert address % 4096 == 0 and arena.tensor.numel() == capacity
+    assert int(arena.tensor.sum()) == 0  # touched and zeroed
+    arena.release_memory()
+    assert fake_cuda.unregistered == [address]  # unlocked before the mapping goes
+
+
+def test_refused_page_lock_falls_back_to_the_caching_allocator(
+    fake_cuda: _FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from lazyckpt import _arena
+
+    fake_cuda.status = 2  # cudaErrorMemoryAllocation
+    asked: list[int] = []
+
+    def fallback(nbytes: int) -> torch.Tensor:
+        asked.append(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(_arena, "caching_pinned", fallback)
+    arena = HostArena(1 << 20, pinned=True)
+    with pytest.warns(ResourceWarning, match="returned 2"):
+        arena.allocate_memory()
+    assert asked == [1 << 20] and arena.tensor.numel() == 1 << 20
+    arena.release_memory()
+    assert fake_cuda.unregistered == []  # nothing was registered, nothing to undo
+
+
+def test_unpinned_arena_registers_nothing(fake_cuda: _FakeCudart) -> None:
+    arena = HostArena(1 << 20, pinned=False)
+    arena.allocate_memory()
+    arena.release_memory()
+    assert fake_cuda.registered == [] and fake_cuda.unregistered == []

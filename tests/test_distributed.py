@@ -54,3 +54,21 @@ def test_a_killed_rank_never_commits_and_others_get_a_typed_error(tmp_path: Path
     for r in rank_results(tmp_path / "again").values():
         assert r["steps"] == [0, 1]
         assert r["restored_step"] == 1 and r["restored_ok"]
+
+
+def test_a_rank_that_fails_its_part_is_named_and_later_steps_commit(tmp_path: Path) -> None:
+    # one rank's commit of step 2 fails (an I/O error, not a death): the agreement sees it,
+    # nobody commits step 2, the others are told which rank failed, and the channel stays
+    # usable: step 3 commits on every rank
+    root = tmp_path / "ckpt"
+    assert launch("fail", root, tmp_path / "out", 2) == [0, 0]
+    res = rank_results(tmp_path / "out")
+    (error,) = res[0]["errors"]
+    assert error["step"] == 2 and error["types"] == ["TierBrokenError"]
+    assert "rank(s) [1] failed" in error["messages"][0]
+    assert [e["step"] for e in res[1]["errors"]] == [2]
+    for r in res.values():
+        assert r["steps"] == [0, 1, 2, 3]  # step 2 only in every rank's host memory tier
+        assert r["restored_step"] == 3 and r["restored_ok"]
+    assert (root / "step-000000000003" / "manifest.json").exists()
+    assert not (root / "step-000000000002" / "manifest.json").exists()
