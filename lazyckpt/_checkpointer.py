@@ -153,6 +153,7 @@ class _Core:
         pack_bytes: int | None,
         allow_pickle: bool,
         capture_threads: int,
+        checksum_threads: int | None,
         io_concurrency: int,
         deadline: float | None,
         retries: int,
@@ -176,6 +177,7 @@ class _Core:
             ),
             allow_pickle=allow_pickle,
             capture_threads=capture_threads,
+            checksum_threads=checksum_threads,
             io_concurrency=io_concurrency,
             deadline=deadline,
             retries=retries,
@@ -391,6 +393,7 @@ _DEFAULTS: dict[str, Any] = {
     "pack_bytes": None,
     "allow_pickle": False,
     "capture_threads": 2,
+    "checksum_threads": None,
     "io_concurrency": 4,
     "deadline": 300.0,
     "retries": 3,
@@ -429,8 +432,10 @@ class Checkpointer:
             (default: 1 MiB or a quarter of ``shard_size``, whichever is smaller).
         allow_pickle: store (and restore) values that are not plain data with pickle. Off by
             default: restoring then never runs code from a checkpoint.
-        capture_threads: threads copying CPU tensors into host memory and checksumming
-            them (default 2: one shard's checksum overlaps the next shard's copy).
+        capture_threads: threads copying CPU tensors into host memory (default 2).
+        checksum_threads: threads computing the shards' crc32c from host memory after the
+            capture, off the guard's path, at a lower scheduling priority (``None``: half
+            the cores, at most 8).
         io_concurrency: shards in flight per durable tier.
         deadline: seconds any single tier operation may take before it fails with
             :class:`DeadlineExceededError` (``None``: no deadline). Default 300.

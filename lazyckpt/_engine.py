@@ -67,6 +67,7 @@ class EngineOptions:
     layout: LayoutOptions = field(default_factory=LayoutOptions)
     allow_pickle: bool = False
     capture_threads: int = 2
+    checksum_threads: int | None = None
     io_concurrency: int = 4
     deadline: float | None = 300.0
     retries: int = 3
@@ -79,6 +80,10 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.capture_threads < 1 or self.io_concurrency < 1:
             raise ConfigurationError("capture_threads and io_concurrency must be at least 1")
+        if self.checksum_threads is not None and self.checksum_threads < 1:
+            raise ConfigurationError(
+                f"checksum_threads must be at least 1 (or None), got {self.checksum_threads}"
+            )
         if self.retries < 0 or self.retry_backoff < 0:
             raise ConfigurationError("retries and retry_backoff must not be negative")
         if self.deadline is not None and not self.deadline > 0:
@@ -177,7 +182,7 @@ class Engine:
             )
         self.loop = EngineLoop(use_uvloop=options.use_uvloop)
         self.capture: CaptureBackend = _default_capture(options)
-        self.checksums = ChecksumPool()
+        self.checksums = ChecksumPool(options.checksum_threads)
         self.flights: dict[int, Flight] = {}
         self.protected: dict[int, int] = {}  # step -> restores in progress
         self._lock = threading.Lock()
@@ -444,6 +449,7 @@ class Engine:
             return
         flight.crcs[i] = crc
         flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
+        hooks.point("checksum.done")
         shard = replace(shard, crc32c=crc)
         self._count(0, shard.length, time.perf_counter() - t0)
         if self.staging is not None:

@@ -8,9 +8,10 @@ is about to kill, set the environment variable ``LAZYCKPT_CRASH_AT=NAME:N`` so t
 process SIGKILLs itself on the N-th time it reaches point NAME: a crash at an exact place,
 with no sleeping and no guessing.
 
-Points: ``capture.done``, ``tier.put.done``, ``tier.commit.before``, ``tier.commit.after``,
-``file.write.before_sync``, ``file.commit.before_manifest``, ``file.commit.before_rename``,
-``file.commit.after_rename``, ``file.delete.after_unlink``, ``retention.before_delete``.
+Points: ``capture.done``, ``checksum.done``, ``tier.put.done``, ``tier.commit.before``,
+``tier.commit.after``, ``file.write.before_sync``, ``file.commit.before_manifest``,
+``file.commit.before_rename``, ``file.commit.after_rename``, ``file.delete.after_unlink``,
+``retention.before_delete``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = ["POINTS", "point", "set_hook"]
 
 POINTS = (
     "capture.done",
+    "checksum.done",
     "tier.put.done",
     "tier.commit.before",
     "tier.commit.after",

@@ -224,3 +224,12 @@ async def test_checksum_threads_run_at_a_lower_priority() -> None:
         pool.close()
     ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert theirs == min(19, ours + 5)
+
+
+def test_checksum_threads_is_an_option() -> None:
+    with lazyckpt.SyncCheckpointer([HostMemoryTier(1 << 20)], checksum_threads=3, **SMALL) as c:
+        assert c._core.engine.checksums.threads == 3
+        c.snapshot(state(1), step=1).wait()
+        assert torch.equal(c.restore()["w"], state(1)["w"])
+    with pytest.raises(ConfigurationError, match="checksum_threads"):
+        lazyckpt.SyncCheckpointer([HostMemoryTier(1 << 20)], checksum_threads=0)
