@@ -144,6 +144,10 @@ class ShardMeta:
     crc32c: int | None = None
 
 
+# id(tensors tuple) -> (the tuple, its tensor bytes); the tuple is kept so the id stays its own
+_TENSOR_BYTES: dict[int, tuple[tuple[TensorMeta, ...], int]] = {}
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything needed to find, check and rebuild one snapshot (of one rank)."""
@@ -162,7 +166,17 @@ class Manifest:
     @property
     def tensor_bytes(self) -> int:
         """Bytes of tensor data (without alignment padding or aliases)."""
-        return sum(t.nbytes for t in self.tensors if t.alias_of is None)
+        # snapshots of an unchanged state share one tensors tuple (the cached plan), so the
+        # sum over every tensor is taken once per plan rather than once per snapshot()
+        tensors = self.tensors
+        hit = _TENSOR_BYTES.get(id(tensors))
+        if hit is not None and hit[0] is tensors:
+            return hit[1]
+        total = sum(t.nbytes for t in tensors if t.alias_of is None)
+        if len(_TENSOR_BYTES) >= 16:
+            _TENSOR_BYTES.clear()
+        _TENSOR_BYTES[id(tensors)] = (tensors, total)
+        return total
 
     def with_checksums(self, crcs: Sequence[int]) -> Manifest:
         """The same manifest with every shard's crc32c filled in."""
