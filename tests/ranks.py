@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,42 +25,65 @@ def launch_ranks(
     worker: Path, args: list[str], world: int, *, timeout: float = 150, may_be_killed: bool = False
 ) -> list[int]:
     """Run ``worker args`` as ranks 0..world-1; return their exit codes. Every process ends:
-    whatever is still running at the timeout is killed. A rank that failed (or was killed,
-    unless ``may_be_killed``) fails the test with its stderr."""
+    whatever is still running ``timeout`` seconds after the start is killed. A rank that
+    failed (or was killed, unless ``may_be_killed``) fails the test with its output.
+
+    Each rank's output goes to a file, not a pipe: a rank that writes more than a pipe holds
+    cannot block while another rank is being waited for, and nothing is left open whatever
+    happens."""
     port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            GLOO_SOCKET_IFNAME="lo",
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(worker), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    codes = []
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=timeout)
-            allowed = (0, -signal.SIGKILL) if may_be_killed else (0,)
-            if proc.returncode not in allowed:
-                raise AssertionError(err.decode()[-3000:])
-            codes.append(proc.returncode)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return codes
+    allowed = (0, -signal.SIGKILL) if may_be_killed else (0,)
+    with contextlib.ExitStack() as stack:
+        procs: list[subprocess.Popen[bytes]] = []
+        logs = []
+        try:
+            for rank in range(world):
+                env = dict(
+                    os.environ,
+                    RANK=str(rank),
+                    WORLD_SIZE=str(world),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                    GLOO_SOCKET_IFNAME="lo",
+                    OMP_NUM_THREADS="1",
+                )
+                log = stack.enter_context(tempfile.TemporaryFile())
+                logs.append(log)
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(worker), *args],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                codes = [p.poll() for p in procs]
+                if None not in codes or any(c not in (None, *allowed) for c in codes):
+                    break  # all done, or one failed: the others would only wait for it
+                time.sleep(0.05)
+            stopped = [r for r, p in enumerate(procs) if p.poll() is None]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        codes = [proc.wait() for proc in procs]  # every one has ended
+        failed = [r for r, code in enumerate(codes) if r not in stopped and code not in allowed]
+        if failed or stopped:
+            report = []
+            for r in sorted(failed + stopped):
+                logs[r].seek(0)
+                if r in failed:
+                    what = f"exit {codes[r]}"
+                elif failed:
+                    what = "stopped: another rank failed"
+                else:
+                    what = f"still running after {timeout}s"
+                report.append(f"-- rank {r} ({what}):\n{logs[r].read().decode()[-3000:]}")
+            raise AssertionError("\n".join(report))
+        return codes
 
 
 def rank_results(out: Path) -> dict[int, dict[str, Any]]:

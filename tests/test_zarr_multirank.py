@@ -8,7 +8,9 @@ loopback) through the Checkpointer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 import signal
 from collections.abc import Callable
 from dataclasses import replace
@@ -23,7 +25,7 @@ from conftest_s3 import S3Location, s3, s3_server
 from ranks import launch_ranks, rank_results
 
 import lazyckpt
-from lazyckpt import ConfigurationError, CorruptionError, Manifest, SyncCheckpointer
+from lazyckpt import ConfigurationError, CorruptionError, Manifest, SyncCheckpointer, hooks
 from lazyckpt.testing import build_snapshot
 from tiers import ZarrTier
 
@@ -193,6 +195,83 @@ async def test_deleting_a_step_of_several_ranks_is_rank_0s_work(tmp_path: Path) 
     assert (tmp_path / STEP.format(2) / "rank-00001" / "zarr.json").exists()
     for t in tiers:
         await t.aclose()
+
+
+async def committed_steps_of_two_ranks(root: Path, steps: range) -> list[ZarrTier]:
+    tiers = rank_tiers(lambda: ZarrTier(root), 2)
+    for t in tiers:
+        await t.open()
+    for step in steps:
+        for t in tiers:
+            await write_part(t, step)
+        for t in tiers:
+            await t.commit_global(step, 2)
+    return tiers
+
+
+async def test_a_step_deleted_twice_at_once_is_deleted(tmp_path: Path) -> None:
+    """Two deletes of one step at once (retention passes that overlap ask for that) both
+    succeed, and nothing else is touched."""
+    tiers = await committed_steps_of_two_ranks(tmp_path, range(1, 3))
+    await asyncio.gather(tiers[0].delete(1), tiers[0].delete(1))
+    assert await tiers[1].steps() == [2]
+    assert not (tmp_path / STEP.format(1)).exists()
+    _, data = await read_back(tiers[1], 2, 1)
+    assert data == build_snapshot(2, rank_state(1, 2))[1]
+    for t in tiers:
+        await t.aclose()
+
+
+async def test_a_delete_that_finds_its_step_removed_under_it_succeeds(tmp_path: Path) -> None:
+    """The race of two deletes of one step, made exact: the other one removes the whole tree
+    between this one seeing it and removing it. Gone is what both wanted."""
+    tiers = await committed_steps_of_two_ranks(tmp_path, range(1, 3))
+    step = tmp_path / STEP.format(1)
+
+    def the_other_delete(point: str) -> None:
+        if point == "zarr.delete_dir.before_remove" and step.exists():
+            shutil.rmtree(step)
+
+    hooks.set_hook(the_other_delete)
+    try:
+        await tiers[0].delete(1)
+    finally:
+        hooks.set_hook(None)
+    assert await tiers[1].steps() == [2] and not step.exists()
+    for t in tiers:
+        await t.aclose()
+
+
+class ListsLate(ZarrTier):
+    """A ZarrTier whose listing of steps 0 and 1 (the retention pass after step 1) returns
+    only once step 2 is committed and listed too: what a loaded machine does when that read
+    waits behind the next snapshot's writes. Both passes then delete step 0."""
+
+    listed_all: asyncio.Event | None = None
+
+    async def steps(self) -> list[int]:
+        found = await super().steps()
+        if self.listed_all is None:
+            self.listed_all = asyncio.Event()  # on the engine's loop
+        if found == [0, 1, 2]:
+            self.listed_all.set()
+        elif found == [0, 1]:
+            await asyncio.wait_for(self.listed_all.wait(), 30)
+        return found
+
+
+def test_overlapping_retention_passes_delete_a_step_once_without_error(tmp_path: Path) -> None:
+    tier = ListsLate(tmp_path, keep_last=1)
+    # no retries: a failed delete is not hidden by a second attempt that finds nothing left
+    with SyncCheckpointer([tier], staging_bytes=1 << 20, retries=0) as ckpt:
+        for step in range(3):
+            ckpt.snapshot(rank_state(0, step), step=step).wait()
+    # closing raised nothing: no retention pass failed
+    assert tier.listed_all is not None and tier.listed_all.is_set()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STEP.format(2), "zarr.json"]
+    with SyncCheckpointer([ZarrTier(tmp_path)], staging_bytes=1 << 20) as ckpt:
+        assert ckpt.steps() == [2]
+        assert torch.equal(ckpt.restore(2)["big"], rank_state(0, 2)["big"])
 
 
 async def test_ranks_must_share_the_location(tmp_path: Path) -> None:

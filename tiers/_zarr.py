@@ -816,6 +816,7 @@ class ZarrTier(Tier):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests = asyncio.Semaphore(concurrency)
         self._index_lock = asyncio.Lock()
+        self._delete_lock = asyncio.Lock()
         self._closed = False
 
     def describe(self) -> dict[str, Any]:
@@ -834,6 +835,7 @@ class ZarrTier(Tier):
             self._loop = loop
             self._requests = asyncio.Semaphore(self.concurrency)
             self._index_lock = asyncio.Lock()
+            self._delete_lock = asyncio.Lock()
 
     @contextlib.contextmanager
     def _backend(self, what: str) -> Iterator[None]:
@@ -1235,10 +1237,15 @@ class ZarrTier(Tier):
     async def delete(self, step: int) -> None:
         """Un-commit ``step`` (remove it from the index), then remove its objects, every
         rank's part. With several ranks this is rank 0's work, as committing is; on the
-        others it only forgets what this instance cached."""
+        others it only forgets what this instance cached.
+
+        Deletes run one at a time: retention passes may overlap (one still listing when the
+        next step's commit starts another) and ask to delete the same step twice; the second
+        then finds nothing left to do instead of removing a tree the first is removing."""
         with self._backend(f"delete step {step}"):
             self._forget(step)
             if not self._committer:
                 return
-            await self._update_index(remove=step)  # un-commit first
-            await self._store.delete_dir(_step_prefix(step))
+            async with self._delete_lock:
+                await self._update_index(remove=step)  # un-commit first
+                await self._store.delete_dir(_step_prefix(step))

@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, MutableSet, Sequence
 from pathlib import Path
@@ -33,6 +34,8 @@ from zarr.abc.store import (
     SuffixByteRequest,
 )
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+
+from lazyckpt import hooks
 
 __all__ = ["DurableLocalStore"]
 
@@ -50,6 +53,26 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _remove_tree(path: Path) -> None:
+    """``shutil.rmtree`` for a tree that someone else may be removing at the same time (a
+    second delete of the same step): what vanishes under it is already done, not an error;
+    every other failure is raised."""
+    if sys.version_info >= (3, 12):
+
+        def onexc(func: Any, name: str, exc: BaseException) -> None:
+            if not isinstance(exc, FileNotFoundError):
+                raise exc
+
+        shutil.rmtree(path, onexc=onexc)
+    else:
+
+        def onerror(func: Any, name: str, info: Any) -> None:
+            if not issubclass(info[0], FileNotFoundError):
+                raise info[1]
+
+        shutil.rmtree(path, onerror=onerror)
 
 
 def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
@@ -388,7 +411,7 @@ class DurableLocalStore(Store):
     def _delete(self, key: str) -> None:
         path = self._path(key)
         if path.is_dir():
-            shutil.rmtree(path)
+            _remove_tree(path)
         else:
             try:
                 path.unlink()
@@ -413,17 +436,21 @@ class DurableLocalStore(Store):
                 return
             for entry in self.root.iterdir():
                 if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
+                    _remove_tree(entry)
                 else:
-                    entry.unlink()
+                    entry.unlink(missing_ok=True)
             _fsync_dir(self.root)
             return
         if directory.is_dir():
-            shutil.rmtree(directory)
+            # Another delete of the same prefix may be removing it right now (and may even
+            # finish first): whatever it removed is gone either way.
+            hooks.point("zarr.delete_dir.before_remove")
+            _remove_tree(directory)
             _fsync_dir(directory.parent)
 
     async def delete_dir(self, prefix: str) -> None:
-        """Remove every key under ``prefix/``."""
+        """Remove every key under ``prefix/``; another delete of the same prefix running at
+        the same time (and removing keys under this one) is fine."""
         self._check_writable()
         await self._run(self._delete_dir, prefix)
 
