@@ -192,6 +192,8 @@ class Engine:
         self._main_done: concurrent.futures.Future[None] | None = None
         self._stop: asyncio.Event | None = None
         self._tier_sems: list[asyncio.Semaphore] = []
+        self._retention_locks: list[asyncio.Lock] = []
+        self._retention_queued: list[bool] = []
         self.closed = False
         self.opened = False
         self.skipped = 0
@@ -224,6 +226,9 @@ class Engine:
         if self.coordinator is not None:
             await self.coordinator.barrier()  # nobody writes before every rank cleaned up
         self._tier_sems = [asyncio.Semaphore(self.options.io_concurrency) for _ in self.durable]
+        # retention: one pass at a time per tier; a pass not yet listing covers new commits
+        self._retention_locks = [asyncio.Lock() for _ in self.durable]
+        self._retention_queued = [False] * len(self.durable)
         started = asyncio.Event()
         self._stop = asyncio.Event()
 
@@ -582,6 +587,9 @@ class Engine:
 
     def _retain(self, tier: Tier, stage: int) -> None:
         if stage > 0 and (tier.retention.keep_last or tier.retention.keep_every):
+            if self._retention_queued[stage - 1]:
+                return  # a pass that has not listed the steps yet will see this commit too
+            self._retention_queued[stage - 1] = True
             assert self._tg is not None
             self._tg.create_task(self._apply_retention(tier, stage))
 
@@ -649,13 +657,18 @@ class Engine:
         log.debug("step %d reached %s", flight.step, name, extra={"step": flight.step, "tier": name})
 
     async def _apply_retention(self, tier: Tier, stage: int) -> None:
+        """One retention pass on a tier. Passes run one at a time per tier, so no two delete
+        the same step at once, and each lists the steps only after every commit that asked
+        for it."""
         try:
-            committed = await self._guarded(stage, "list", tier.steps)
-            for step in tier.retention.to_delete(committed):
-                if step in self.protected or step in self.flights:
-                    continue
-                hooks.point("retention.before_delete")
-                await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
+            async with self._retention_locks[stage - 1]:
+                self._retention_queued[stage - 1] = False  # commits from now on need a new pass
+                committed = await self._guarded(stage, "list", tier.steps)
+                for step in tier.retention.to_delete(committed):
+                    if step in self.protected or step in self.flights:
+                        continue
+                    hooks.point("retention.before_delete")
+                    await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
         except Exception as exc:
             log.warning("retention on %s failed: %s", tier.name, exc, extra={"tier": tier.name})
             err = exc if isinstance(exc, LazyCkptError) else TierBrokenError(str(exc), tier=tier.name)

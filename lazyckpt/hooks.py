@@ -11,7 +11,7 @@ with no sleeping and no guessing.
 Points: ``capture.done``, ``checksum.done``, ``tier.put.done``, ``tier.commit.before``,
 ``tier.commit.after``, ``file.write.before_sync``, ``file.commit.before_manifest``,
 ``file.commit.before_rename``, ``file.commit.after_rename``, ``file.delete.after_unlink``,
-``retention.before_delete``.
+``zarr.delete_dir.before_remove``, ``retention.before_delete``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ POINTS = (
     "file.commit.before_rename",
     "file.commit.after_rename",
     "file.delete.after_unlink",
+    "zarr.delete_dir.before_remove",
     "retention.before_delete",
 )
 

@@ -164,6 +164,45 @@ async def test_retention_keep_last_and_keep_every(tmp_path: Path) -> None:
         assert await fresh.steps() == [0, 5, 10, 11]
 
 
+class SlowListingTier(FileTier):
+    """Lists steps slowly (as a loaded store does) and records the deletes it serves."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.deleting: set[int] = set()
+        self.overlaps = 0
+        self.deleted: list[int] = []
+
+    async def steps(self) -> list[int]:
+        found = await super().steps()
+        await asyncio.sleep(0.05)
+        return found
+
+    async def delete(self, step: int) -> None:
+        self.overlaps += bool(self.deleting)
+        self.deleting.add(step)
+        try:
+            await asyncio.sleep(0.02)
+            await super().delete(step)
+            self.deleted.append(step)
+        finally:
+            self.deleting.discard(step)
+
+
+async def test_retention_passes_never_overlap_or_delete_a_step_twice(tmp_path: Path) -> None:
+    # commits come faster than a retention pass lists the steps: the passes must queue up
+    # (one at a time per tier), coalesce, and still leave only the newest steps
+    tier = SlowListingTier(tmp_path / "f", keep_last=1)
+    options = {**SMALL, "retries": 0}
+    async with lazyckpt.Checkpointer([HostMemoryTier(8 << 20), tier], **options) as ckpt:
+        for step in range(8):
+            await (await ckpt.snapshot({"x": torch.full((4,), float(step))}, step=step)).committed()
+    assert tier.overlaps == 0
+    assert sorted(tier.deleted) == sorted(set(tier.deleted)) == list(range(7))
+    async with lazyckpt.Checkpointer([FileTier(tmp_path / "f")]) as fresh:
+        assert await fresh.steps() == [7]
+
+
 def test_retention_policy_never_deletes_the_newest() -> None:
     policy = lazyckpt.Retention(keep_last=1, keep_every=100)
     assert policy.to_delete([3, 7, 200, 9]) == [3, 7, 9]
