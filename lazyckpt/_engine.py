@@ -330,7 +330,11 @@ class Engine:
     def submit(self, flight: Flight) -> None:
         """Hand a planned snapshot to the engine loop; returns at once."""
         with self._lock:
-            self._pending_captures.append(flight)
+            # drop finished captures here too, not only when a guard asks: a finished flight
+            # kept in this list would keep its snapshot's tensors alive
+            pending = [f for f in self._pending_captures if not f.captured.done()]
+            pending.append(flight)
+            self._pending_captures = pending
         self.loop.call_soon(self._start_flight, flight)
 
     def _start_flight(self, flight: Flight) -> None:

@@ -173,6 +173,22 @@ def _child_path(parent: str, k: str) -> str:
     return child
 
 
+# The tree's ``[key, {"$tensor": i}]`` items, shared between snapshots of the same state:
+# trees are never modified after the walk, and a model's keys and tensor order repeat every
+# step. Sharing them keeps snapshot() from allocating (and the garbage collector from
+# scanning) one new list and dict per tensor per snapshot. Bounded like _CHILD.
+_PAIRS: dict[tuple[str, int], list[Any]] = {}
+
+
+def _tensor_pair(k: str, index: int) -> list[Any]:
+    found = _PAIRS.get((k, index))
+    if found is None:
+        if len(_PAIRS) >= _CHILD_MAX:
+            _PAIRS.clear()
+        found = _PAIRS[(k, index)] = [k, {"$tensor": index}]
+    return found
+
+
 _Parameter = torch.nn.Parameter
 
 
@@ -181,7 +197,7 @@ class _Walker:
         self.allow_pickle = allow_pickle
         self.lenient = lenient
         self.tensors: list[TensorRef] = []
-        self._by_ptr: dict[int, list[int]] = {}  # data pointer -> first tensors there
+        self._by_ptr: dict[int, int | list[int]] = {}  # data pointer -> first tensor(s) there
         self._active: set[int] = set()
         self._replicated = 0  # depth of Replicated markers around the value being walked
 
@@ -253,7 +269,7 @@ class _Walker:
         for k, v in obj.items():
             if type(k) is str:  # the usual case: a cached path, the key encodes as itself
                 if isinstance(v, torch.Tensor):
-                    items.append([k, {"$tensor": self._add_tensor(v, _child_path(key, k))}])
+                    items.append(_tensor_pair(k, self._add_tensor(v, _child_path(key, k))))
                 else:
                     items.append([k, encode(v, _child_path(key, k))])
                 continue
@@ -288,7 +304,8 @@ class _Walker:
         sharing = self._by_ptr.get(ptr)
         if sharing is not None:
             ident = _identity(t)
-            first = next((j for j in sharing if _identity(self.tensors[j].tensor) == ident), None)
+            candidates = (sharing,) if isinstance(sharing, int) else sharing
+            first = next((j for j in candidates if _identity(self.tensors[j].tensor) == ident), None)
         try:
             version: int | None = t._version
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
@@ -299,7 +316,9 @@ class _Walker:
         )
         if first is None:
             if sharing is None:
-                self._by_ptr[ptr] = [index]
+                self._by_ptr[ptr] = index  # the usual case: no list per tensor
+            elif isinstance(sharing, int):
+                self._by_ptr[ptr] = [sharing, index]
             else:
                 sharing.append(index)
         return index

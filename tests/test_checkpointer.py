@@ -380,3 +380,24 @@ async def test_failed_tier_is_reported_not_swallowed(tmp_path: Path) -> None:
         good = await ckpt.snapshot({"w": torch.randn(100, 100)}, step=2)
         await good.committed()
         assert await faulty.steps() == [2]
+
+
+async def test_finished_snapshots_keep_no_tensor_alive_without_a_guard(tmp_path: Path) -> None:
+    # a trainer that never installs a guard nor waits for captures: the engine must still
+    # let go of each snapshot's tensors once it is through
+    import gc
+    import weakref
+
+    async with lazyckpt.Checkpointer(
+        [HostMemoryTier(8 << 20), FileTier(tmp_path / "f")], **SMALL
+    ) as ckpt:
+        first = torch.randn(64, 64)
+        gone = weakref.ref(first)
+        handle = await ckpt.snapshot({"w": first}, step=0)
+        await handle.committed()
+        del first, handle
+        for step in range(1, 6):
+            await (await ckpt.snapshot({"w": torch.randn(64, 64)}, step=step)).committed()
+        gc.collect()
+        assert gone() is None
+        assert len(ckpt._core.engine._pending_captures) <= 1
