@@ -21,7 +21,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-__all__ = ["POINTS", "point", "set_hook"]
+__all__ = ["POINTS", "crash_at", "point", "set_hook"]
 
 POINTS = (
     "capture.done",
@@ -54,14 +54,14 @@ def set_hook(hook: Callable[[str], None] | None) -> None:
     _hook = hook
 
 
-def _crash_from_environment() -> None:
-    spec = os.environ.get("LAZYCKPT_CRASH_AT")
-    if not spec:
-        return
-    name, _, count = spec.partition(":")
+def crash_at(name: str, nth: int = 1) -> None:
+    """Install a hook that SIGKILLs this process the ``nth`` time it reaches point ``name``
+    (what ``LAZYCKPT_CRASH_AT=NAME:N`` does; for tests that kill one rank of several)."""
     if name not in POINTS:
-        raise ValueError(f"LAZYCKPT_CRASH_AT names unknown point {name!r}; points: {POINTS}")
-    remaining = [int(count or 1)]
+        raise ValueError(f"unknown point {name!r}; points: {POINTS}")
+    if nth < 1:
+        raise ValueError(f"nth must be at least 1, got {nth}")
+    remaining = [nth]
     lock = threading.Lock()
 
     def crash(reached: str) -> None:
@@ -73,6 +73,16 @@ def _crash_from_environment() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     set_hook(crash)
+
+
+def _crash_from_environment() -> None:
+    spec = os.environ.get("LAZYCKPT_CRASH_AT")
+    if not spec:
+        return
+    name, _, count = spec.partition(":")
+    if name not in POINTS:
+        raise ValueError(f"LAZYCKPT_CRASH_AT names unknown point {name!r}; points: {POINTS}")
+    crash_at(name, int(count or 1))
 
 
 _crash_from_environment()

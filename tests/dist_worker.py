@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -37,15 +35,7 @@ async def run(scenario: str, root: Path, rank: int) -> dict[str, Any]:
     chain = [HostMemoryTier(4 << 20), FileTier(root)]
     options: dict[str, Any] = {"shard_size": 1 << 14, "deadline": 8.0, "retries": 0}
     if scenario == "kill" and rank == 1:
-        seen = [0]
-
-        def die(point: str) -> None:
-            if point == "file.commit.before_manifest":
-                seen[0] += 1
-                if seen[0] == 3:  # during the commit of step 2
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-        hooks.set_hook(die)
+        hooks.crash_at("file.commit.before_manifest", 3)  # during the commit of step 2
     if scenario == "fail" and rank == 1:
         calls = [0]
 

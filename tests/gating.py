@@ -1,4 +1,4 @@
-"""Holding a Checkpointer's captures back, so a test can act between snapshot() and the copy."""
+"""Holding a Checkpointer's captures or checksums back, so a test can act between the stages."""
 
 from __future__ import annotations
 
@@ -31,3 +31,36 @@ def hold_captures(ckpt: lazyckpt.Checkpointer) -> tuple[threading.Event, Callabl
         engine.capture = real
 
     return gate, restore
+
+
+class HeldChecksums:
+    """Wraps the engine's checksum stage: every checksum waits for ``gate``; ``fail_at``
+    (a count of checksums started) makes that one raise instead."""
+
+    def __init__(self, real: Any, *, fail_at: int | None = None) -> None:
+        self.real = real
+        self.gate = threading.Event()
+        self.started = 0
+        self.done = 0
+        self.fail_at = fail_at
+
+    async def checksum(self, block: Any) -> int:
+        self.started += 1
+        mine = self.started
+        await asyncio.to_thread(self.gate.wait, 30)
+        if mine == self.fail_at:
+            raise OSError("checksum thread lost")
+        crc = int(await self.real.checksum(block))
+        self.done += 1
+        return crc
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def hold_checksums(ckpt: lazyckpt.Checkpointer | lazyckpt.SyncCheckpointer, **kwargs: Any) -> HeldChecksums:
+    """Put a :class:`HeldChecksums` in front of ``ckpt``'s checksum stage and return it."""
+    engine = ckpt._core.engine
+    held = HeldChecksums(engine.checksums, **kwargs)
+    engine.checksums = held
+    return held

@@ -21,10 +21,12 @@ import torch
 
 import lazyckpt
 from lazyckpt import ConfigurationError, ShardState, SnapshotFailedError
-from lazyckpt._arena import Block
 from lazyckpt._capture import ChecksumPool, block_checksum
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gating import hold_checksums
 
 SMALL: dict[str, Any] = {"shard_size": 1 << 16, "pack_bytes": 4096, "retry_backoff": 0.001}
 
@@ -32,38 +34,6 @@ SMALL: dict[str, Any] = {"shard_size": 1 << 16, "pack_bytes": 4096, "retry_backo
 def state(step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(256, 256, generator=g), "b": torch.randn(100, generator=g)}
-
-
-class HeldChecksums:
-    """Wraps the engine's checksum stage: every checksum waits for ``gate``; ``fail_at``
-    (a count of checksums started) makes that one raise instead."""
-
-    def __init__(self, real: Any, *, fail_at: int | None = None) -> None:
-        self.real = real
-        self.gate = threading.Event()
-        self.started = 0
-        self.done = 0
-        self.fail_at = fail_at
-
-    async def checksum(self, block: Block) -> int:
-        self.started += 1
-        mine = self.started
-        await asyncio.to_thread(self.gate.wait, 30)
-        if mine == self.fail_at:
-            raise OSError("checksum thread lost")
-        crc = int(await self.real.checksum(block))
-        self.done += 1
-        return crc
-
-    def close(self) -> None:
-        self.real.close()
-
-
-def hold_checksums(ckpt: lazyckpt.Checkpointer, **kwargs: Any) -> HeldChecksums:
-    engine = ckpt._core.engine
-    held = HeldChecksums(engine.checksums, **kwargs)
-    engine.checksums = held
-    return held
 
 
 async def test_captured_and_the_guard_resolve_before_the_checksums(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -51,6 +52,9 @@ from lazyckpt._manifest import plan_layout
 from lazyckpt._tree import TensorRef, walk_state
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gating import HeldChecksums
 
 # -- the fake device ------------------------------------------------------------------------
 
@@ -940,28 +944,6 @@ async def test_restore_names_the_shard_no_tier_holds_intact(
 # -- the checksum stage after a CUDA capture ---------------------------------------------------
 
 
-class HeldChecksums:
-    """The engine's checksum stage, held back until ``gate`` is set; ``fail`` makes every
-    checksum raise once released."""
-
-    def __init__(self, real: Any, *, fail: bool = False) -> None:
-        self.real = real
-        self.gate = threading.Event()
-        self.fail = fail
-        self.done = 0
-
-    async def checksum(self, block: Any) -> int:
-        await asyncio.to_thread(self.gate.wait, 30)
-        if self.fail:
-            raise OSError("checksum thread lost")
-        crc = int(await self.real.checksum(block))
-        self.done += 1
-        return crc
-
-    def close(self) -> None:
-        self.real.close()
-
-
 def cuda_checkpointer(rt: FakeRuntime, **kwargs: Any) -> lazyckpt.SyncCheckpointer:
     ckpt = lazyckpt.SyncCheckpointer(
         [HostMemoryTier(8 << 20), *kwargs.pop("durable", [])],
@@ -1032,7 +1014,7 @@ def test_a_failing_checksum_after_a_cuda_capture_fails_cleanly(tmp_path: Path) -
         engine = ckpt._core.engine
         capture = engine.capture
         assert isinstance(capture, CudaCapture)
-        held = HeldChecksums(engine.checksums, fail=True)
+        held = HeldChecksums(engine.checksums, fail_at=1)
         engine.checksums = held
         capture.mark_snapshot(1)
         handle = ckpt.snapshot({"t": t}, step=1)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -91,15 +89,7 @@ async def save(location: str, rank: int) -> dict[str, Any]:
 async def kill(location: str, rank: int) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": rank}
     if rank == 1:
-        seen = [0]
-
-        def die(point: str) -> None:
-            if point == "tier.commit.before":
-                seen[0] += 1
-                if seen[0] == 3:  # committing its part of step 2
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-        hooks.set_hook(die)
+        hooks.crash_at("tier.commit.before", 3)  # committing its part of step 2
     errors = []
     # rank 0 learns of the dead rank from its closed connection at once; the deadline bounds
     # how long it would wait for one that hangs instead
