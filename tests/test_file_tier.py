@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,28 @@ async def test_auto_falls_back_where_o_direct_is_refused(
     with pytest.raises(lazyckpt.SnapshotFailedError) as info:
         await roundtrip(FileTier(tmp_path / "forced", direct=True))
     assert info.group_contains(TierError)
+
+
+async def test_delete_reports_real_failures_and_tolerates_a_vanished_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = FileTier(tmp_path / "f")
+    async with lazyckpt.Checkpointer([HostMemoryTier(4 << 20), tier], **SMALL) as ckpt:
+        for step in (1, 2):
+            await (await ckpt.snapshot({"w": torch.randn(64, 64)}, step=step)).committed()
+        real_unlink = os.unlink
+
+        def failing_unlink(path: object, *args: object, **kwargs: object) -> None:
+            if str(path).endswith(".data"):
+                raise OSError(errno.EIO, "injected I/O error")
+            real_unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "unlink", failing_unlink)
+        with pytest.raises(TierError):
+            await tier.delete(1)  # the data file could not go: reported, not hidden
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        assert 1 not in await tier.steps()  # un-committed first, as always
+        await tier.delete(1)  # the rest goes now
+        await tier.delete(1)  # and a step already gone is no error
+        assert not (tmp_path / "f" / "step-000000000001").exists()
+        assert await tier.steps() == [2]

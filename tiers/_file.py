@@ -44,19 +44,13 @@ from lazyckpt import (
     translate_os_error,
 )
 
+from ._fs import fsync_dir, remove_tree
+
 __all__ = ["FileTier"]
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 MANIFEST = "manifest.json"
 ALIGN = 4096
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FileTier(Tier):
@@ -270,8 +264,8 @@ class FileTier(Tier):
         os.replace(tmp, d / name)
         if name == MANIFEST:
             hooks.point("file.commit.after_rename")
-        _fsync_dir(d)
-        _fsync_dir(self.root)
+        fsync_dir(d)
+        fsync_dir(self.root)
 
     def _commit_sync(self, manifest: Manifest, opened: tuple[int, bool] | None) -> None:
         d = self._dir(manifest.step)
@@ -383,9 +377,11 @@ class FileTier(Tier):
         d = self._dir(step)
         with contextlib.suppress(FileNotFoundError):
             (d / MANIFEST).unlink()
-            _fsync_dir(d)
+            fsync_dir(d)
             hooks.point("file.delete.after_unlink")
-        shutil.rmtree(d, ignore_errors=True)
+        # uncommitted now; a file that vanished meanwhile is gone either way, but any other
+        # failure is reported (retention surfaces it) rather than hidden
+        remove_tree(d)
 
 
 def _probe_direct(fd: int) -> None:

@@ -19,8 +19,6 @@ import contextlib
 import os
 import re
 import secrets
-import shutil
-import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, MutableSet, Sequence
 from pathlib import Path
@@ -37,6 +35,8 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from lazyckpt import hooks
 
+from ._fs import fsync_dir, remove_tree
+
 __all__ = ["DurableLocalStore"]
 
 T = TypeVar("T")
@@ -45,34 +45,6 @@ T = TypeVar("T")
 # crash interrupted never shows up as a key.
 _TEMP = re.compile(r"^\..+\.[0-9a-f]{16}\.tmp$")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_tree(path: Path) -> None:
-    """``shutil.rmtree`` for a tree that someone else may be removing at the same time (a
-    second delete of the same step): what vanishes under it is already done, not an error;
-    every other failure is raised."""
-    if sys.version_info >= (3, 12):
-
-        def onexc(func: Any, name: str, exc: BaseException) -> None:
-            if not isinstance(exc, FileNotFoundError):
-                raise exc
-
-        shutil.rmtree(path, onexc=onexc)
-    else:
-
-        def onerror(func: Any, name: str, info: Any) -> None:
-            if not issubclass(info[0], FileNotFoundError):
-                raise info[1]
-
-        shutil.rmtree(path, onerror=onerror)
 
 
 def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
@@ -302,7 +274,7 @@ class DurableLocalStore(Store):
     def _changed(self, directory: Path, unpublished: MutableSet[str] | None) -> None:
         """A directory's entries changed: sync it now, or leave it to the caller."""
         if unpublished is None:
-            _fsync_dir(directory)
+            fsync_dir(directory)
         else:
             rel = directory.relative_to(self.root).as_posix()
             unpublished.add("" if rel == "." else rel)
@@ -360,7 +332,7 @@ class DurableLocalStore(Store):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
     async def set(self, key: str, value: Buffer) -> None:
         """Store ``value`` at ``key``, atomically and durably."""
@@ -403,7 +375,7 @@ class DurableLocalStore(Store):
     async def sync_directories(self, directories: Iterable[str]) -> None:
         """``fsync`` each directory (keys relative to root; ``""`` is root itself)."""
         await asyncio.gather(
-            *(self._run(_fsync_dir, self._prefix_dir(d)) for d in sorted(set(directories)))
+            *(self._run(fsync_dir, self._prefix_dir(d)) for d in sorted(set(directories)))
         )
 
     # -- deleting ------------------------------------------------------------------------
@@ -411,13 +383,13 @@ class DurableLocalStore(Store):
     def _delete(self, key: str) -> None:
         path = self._path(key)
         if path.is_dir():
-            _remove_tree(path)
+            remove_tree(path)
         else:
             try:
                 path.unlink()
             except (FileNotFoundError, NotADirectoryError):
                 return
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     async def delete(self, key: str) -> None:
         """Remove ``key``; absent keys are fine."""
@@ -436,17 +408,17 @@ class DurableLocalStore(Store):
                 return
             for entry in self.root.iterdir():
                 if entry.is_dir() and not entry.is_symlink():
-                    _remove_tree(entry)
+                    remove_tree(entry)
                 else:
                     entry.unlink(missing_ok=True)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             return
         if directory.is_dir():
             # Another delete of the same prefix may be removing it right now (and may even
             # finish first): whatever it removed is gone either way.
             hooks.point("zarr.delete_dir.before_remove")
-            _remove_tree(directory)
-            _fsync_dir(directory.parent)
+            remove_tree(directory)
+            fsync_dir(directory.parent)
 
     async def delete_dir(self, prefix: str) -> None:
         """Remove every key under ``prefix/``; another delete of the same prefix running at
@@ -462,7 +434,7 @@ class DurableLocalStore(Store):
             directory.rmdir()
         except OSError:  # not empty (someone still writes under it), or already gone
             return False
-        _fsync_dir(directory.parent)
+        fsync_dir(directory.parent)
         return True
 
     async def remove_empty_dir(self, prefix: str) -> bool:
