@@ -50,11 +50,26 @@ def _cudart() -> Any:
 _REGISTER_PORTABLE = 1
 
 
+def _context_device() -> contextlib.AbstractContextManager[object]:
+    """Make current, on this (worker) thread, a device that already has a CUDA context, so
+    that registering creates no new context on device 0 of a rank that uses another GPU.
+    With no context anywhere yet, nothing is changed."""
+    try:
+        has_context = getattr(torch._C, "_cuda_hasPrimaryContext")  # noqa: B009
+        for index in range(torch.cuda.device_count()):
+            if has_context(index):
+                return torch.cuda.device(index)
+    except Exception:  # no CUDA build or an older torch: the default device it is
+        pass
+    return contextlib.nullcontext()
+
+
 def host_register(address: int, nbytes: int) -> str | None:
     """Page-lock ``[address, address + nbytes)`` for the CUDA driver; None on success, else
     why not. Copies to and from the range are then asynchronous DMA, as with pin_memory."""
     try:
-        status = _cudart().cudaHostRegister(address, nbytes, _REGISTER_PORTABLE)
+        with _context_device():
+            status = _cudart().cudaHostRegister(address, nbytes, _REGISTER_PORTABLE)
     except Exception as exc:  # no CUDA build, or a driver without the call
         return f"{type(exc).__name__}: {exc}"
     code = int(status[0] if isinstance(status, tuple) else status)
@@ -70,7 +85,7 @@ def caching_pinned(nbytes: int) -> torch.Tensor:
 
 def host_unregister(address: int) -> None:
     """Undo :func:`host_register` (before the range is unmapped)."""
-    with contextlib.suppress(Exception):  # closing must not fail on a driver hiccup
+    with contextlib.suppress(Exception), _context_device():  # closing must not fail on it
         _cudart().cudaHostUnregister(address)
 
 
@@ -162,6 +177,11 @@ class HostArena:
         t = torch.frombuffer(self._mmap, dtype=torch.uint8)
         t.fill_(0)  # touch every page now, not during the first capture
         if self.pinned:
+            # a child forked later (DataLoader workers) must not get a copy of pinned pages:
+            # the kernel copies page-locked private pages at fork time instead of sharing them
+            dontfork = getattr(mmap, "MADV_DONTFORK", None)
+            if dontfork is not None:
+                self._mmap.madvise(dontfork)
             error = host_register(t.data_ptr(), self.capacity)
             if error is None:
                 self._registered = t.data_ptr()

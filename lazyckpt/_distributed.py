@@ -8,15 +8,17 @@ when every rank's part is durable there. The protocol, per (step, tier), in step
    group per tier, so a background commit can never interleave with the trainer's
    collectives (the trainer's groups are never used), nor a slow tier's commit hold up a
    fast tier's;
-3. if every rank is ok, every rank writes the commit record on its own tier (idempotent on
-   a shared file system);
-4. a second such ``all_reduce`` confirms every rank wrote it; only then does the step count as
+3. if every rank is ok, the tier's ``commit_global`` writes the commit record: ``FileTier``
+   on every rank (idempotent on a shared file system, needed on node-local disks),
+   ``ZarrTier`` on rank 0 only (its root index is a read-modify-write object);
+4. a second such ``all_reduce`` confirms it was written; only then does the step count as
    committed, and the handle's awaitable for that tier resolves.
 
 Collectives run on one thread per group, in the order the coordinator issues them, which is
 the same order on every rank (steps are snapshotted in the same order everywhere). A rank
-that dies or hangs makes the others' collectives time out (the groups are created with the
-configured deadline): they get :class:`DeadlineExceededError` and the step is not committed.
+that dies or hangs makes the others' collectives fail (the groups' timeout is the longest a
+healthy peer may take for one tier operation with its retries): they get
+:class:`DeadlineExceededError` and the step is not committed.
 After a timeout a group cannot be trusted again, so later commits on that tier fail fast.
 
 Costs per committed step and tier: two ``all_reduce`` of 24 bytes (no pickling; a failed

@@ -217,7 +217,11 @@ class Engine:
             self._check_distributed()
             for t in self.tiers:
                 t.rank, t.world_size = self.rank, self.world_size
-            timeout = self.options.deadline or 300.0
+            # a peer may legitimately spend a tier operation's every attempt between two
+            # collectives (rank 0's commit_global on ZarrTier, say): wait that long for it
+            o = self.options
+            per_call = o.deadline or 300.0
+            timeout = per_call * (1 + o.retries) + o.retry_backoff * 2 ** (o.retries + 1)
             self.coordinator = await loop.run_in_executor(
                 None, Coordinator, self.rank, self.world_size, len(self.durable), timeout
             )
@@ -446,29 +450,32 @@ class Engine:
             self.arena.release(block)
             flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
             return
-        flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
-        hooks.point("capture.done")
-        flight.captured_count += 1
-        if flight.captured_count == len(m.shards):
-            self._on_all_captured(flight)
-        crc = await self._checksum(flight, block)
-        if crc is None:
-            self.arena.release(block)
-            flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
-            return
-        flight.crcs[i] = crc
-        flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
-        hooks.point("checksum.done")
-        shard = replace(shard, crc32c=crc)
-        self._count(0, shard.length, time.perf_counter() - t0)
-        if self.staging is not None:
-            self.staging.adopt(m, shard, block)
-        flight.checksummed_count += 1
-        if flight.checksummed_count == len(m.shards):
-            await self._on_all_checksummed(flight)
-        adopted = block if self.host is not None else None
+        # from here on this flow holds the block until a tier has it or the flow ends, however
+        # it ends (a failed checksum, an error, the task group cancelling it): the finally
+        # below gives it back
+        adopted: Block | None = None
         holding = True
         try:
+            flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+            hooks.point("capture.done")
+            flight.captured_count += 1
+            if flight.captured_count == len(m.shards):
+                self._on_all_captured(flight)
+            crc = await self._checksum(flight, block)
+            if crc is None:
+                flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
+                return
+            flight.crcs[i] = crc
+            flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
+            hooks.point("checksum.done")
+            shard = replace(shard, crc32c=crc)
+            self._count(0, shard.length, time.perf_counter() - t0)
+            if self.staging is not None:
+                self.staging.adopt(m, shard, block)
+                adopted = block if self.host is not None else None
+            flight.checksummed_count += 1
+            if flight.checksummed_count == len(m.shards):
+                await self._on_all_checksummed(flight)
             for k, tier in enumerate(self.durable, 1):
                 if self._failed_at(flight, k):
                     break

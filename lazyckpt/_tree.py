@@ -158,7 +158,7 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
 # has the same keys every step, so after the first snapshot() the per-key checks, escaping
 # and formatting become one dict lookup. Bounded: cleared when it grows past _CHILD_MAX.
 _CHILD: dict[tuple[str, str], str] = {}
-_CHILD_MAX = 1 << 15
+_CHILD_MAX = 1 << 16  # room for the keys of a state of some 60,000 tensors
 
 
 def _child_path(parent: str, k: str) -> str:

@@ -142,3 +142,26 @@ def test_unpinned_arena_registers_nothing(fake_cuda: _FakeCudart) -> None:
     arena.allocate_memory()
     arena.release_memory()
     assert fake_cuda.registered == [] and fake_cuda.unregistered == []
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTFORK"), reason="Linux only")
+def test_a_forked_child_gets_no_copy_of_the_pinned_arena(fake_cuda: _FakeCudart) -> None:
+    # DataLoader workers are forked children: page-locked private pages would be copied
+    # into each of them at fork time, so the pinned arena is left out of children
+    import os
+    import signal
+
+    arena = HostArena(1 << 20, pinned=True)
+    arena.allocate_memory()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the arena's pages are not mapped here
+            import faulthandler
+
+            faulthandler.disable()  # the expected crash needs no traceback
+            arena.view[0]
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    finally:
+        arena.release_memory()

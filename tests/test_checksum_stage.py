@@ -203,3 +203,33 @@ def test_checksum_threads_is_an_option() -> None:
         assert torch.equal(c.restore()["w"], state(1)["w"])
     with pytest.raises(ConfigurationError, match="checksum_threads"):
         lazyckpt.SyncCheckpointer([HostMemoryTier(1 << 20)], checksum_threads=0)
+
+
+async def test_an_error_after_the_capture_leaks_no_block(tmp_path: Path) -> None:
+    # something fails between a shard's capture and its first tier (here the hook at
+    # checksum.done) while other shards still wait for their checksums: the snapshot fails,
+    # every block goes back, and the Checkpointer still closes and works
+    from lazyckpt import hooks
+
+    def explode(point: str) -> None:
+        if point == "checksum.done":
+            raise RuntimeError("injected after the checksum")
+
+    ckpt = lazyckpt.Checkpointer([HostMemoryTier(8 << 20), FileTier(tmp_path / "f")], **SMALL)
+    await ckpt.open()
+    try:
+        held = hold_checksums(ckpt)
+        hooks.set_hook(explode)
+        handle = await ckpt.snapshot(state(1), step=1)
+        await handle.captured()
+        held.gate.set()
+        with pytest.raises(SnapshotFailedError):
+            await handle.committed()
+        hooks.set_hook(None)
+        engine = ckpt._core.engine
+        await asyncio.wrap_future(engine.loop.submit(engine.drain()))
+        assert engine.arena.stats().held == 0
+        await (await ckpt.snapshot(state(2), step=2)).committed()
+    finally:
+        hooks.set_hook(None)
+        await ckpt.aclose()

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import errno
 import json
+import logging
 import mmap
 import os
 import re
@@ -47,6 +48,11 @@ from lazyckpt import (
 from ._fs import fsync_dir, remove_tree
 
 __all__ = ["FileTier"]
+
+log = logging.getLogger("lazyckpt")
+
+# what a shared file system may answer while another rank removes the same directory
+_RACING_REMOVAL = {errno.ENOTEMPTY, errno.ESTALE, errno.EBUSY}
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 MANIFEST = "manifest.json"
@@ -380,8 +386,16 @@ class FileTier(Tier):
             fsync_dir(d)
             hooks.point("file.delete.after_unlink")
         # uncommitted now; a file that vanished meanwhile is gone either way, but any other
-        # failure is reported (retention surfaces it) rather than hidden
-        remove_tree(d)
+        # failure is reported (retention surfaces it) rather than hidden. With several ranks
+        # on a shared file system they all remove the same directory at once, and NFS or
+        # Lustre may then answer ENOTEMPTY, ESTALE or EBUSY: one rank must not fail a step
+        # the others take, so there it is a warning, and the next open() sweeps what is left.
+        try:
+            remove_tree(d)
+        except OSError as exc:
+            if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
+                raise
+            log.warning("step %d: removing %s left files behind (%s)", step, d, exc)
 
 
 def _probe_direct(fd: int) -> None:
