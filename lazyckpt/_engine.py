@@ -639,11 +639,22 @@ class Engine:
                         wrote = True
                     except Exception as exc:
                         self._fail(flight, stage, exc)
-                done = await self.coordinator.agree(stage, flight.step, wrote)
+                # once a commit record was attempted (a failed write may still have landed),
+                # a step that not every rank confirms is taken back, so no tier lists a step
+                # whose handles failed
+                try:
+                    done = await self.coordinator.agree(stage, flight.step, wrote)
+                except Exception:
+                    if all(oks):
+                        await self._uncommit(tier, stage, flight.step)
+                    raise
                 if all(done):
                     self._resolve(flight, stage)
                     self._retain(tier, stage)
-                elif ok:
+                    continue
+                if all(oks):
+                    await self._uncommit(tier, stage, flight.step)
+                if ok:
                     failed = [r for r, v in enumerate(oks if not all(oks) else done) if not v]
                     self._fail(
                         flight,
@@ -656,6 +667,18 @@ class Engine:
                 self._fail(flight, stage, exc)
             finally:
                 flight.coordinated[stage].set()
+
+    async def _uncommit(self, tier: Tier, stage: int, step: int) -> None:
+        """The ranks did not all confirm the commit record of ``step``: delete the step on
+        this tier, so that no tier lists a step whose handles failed (best effort; an
+        uncommitted leftover is swept at the next open)."""
+        try:
+            await self._guarded(stage, f"un-commit step {step}", partial(tier.delete, step), retry=False)
+        except Exception as exc:
+            log.warning(
+                "step %d: could not take back its commit on %s: %s", step, tier.name, exc,
+                extra={"step": step, "tier": tier.name},
+            )
 
     def _resolve(self, flight: Flight, stage: int) -> None:
         name = self.stage_names[stage]

@@ -72,3 +72,59 @@ def test_a_rank_that_fails_its_part_is_named_and_later_steps_commit(tmp_path: Pa
         assert r["restored_step"] == 3 and r["restored_ok"]
     assert (root / "step-000000000003" / "manifest.json").exists()
     assert not (root / "step-000000000002" / "manifest.json").exists()
+
+
+class _Peers:
+    """A stand-in for the coordinator of rank 0 of two: every collective agrees at once,
+    except that the confirming agreement for ``lost_step`` never returns (a peer hung or
+    the network broke right after this rank wrote its commit record)."""
+
+    lost_step = 2
+
+    def __init__(self, rank: int, world_size: int, stages: int, timeout: float) -> None:
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.calls: dict[int, int] = {}
+        self.collectives = 0
+
+    async def gather(self, channel: int, value: object) -> list[object]:
+        return [value] * self.world_size
+
+    async def agree(self, channel: int, step: int, ok: bool) -> list[bool]:
+        from lazyckpt import DeadlineExceededError
+
+        self.calls[step] = self.calls.get(step, 0) + 1
+        if step == self.lost_step and self.calls[step] == 2:
+            raise DeadlineExceededError("rank 1 did not answer")
+        return [ok] * self.world_size
+
+    async def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_commit_record_not_every_rank_confirmed_is_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    import lazyckpt
+    from lazyckpt import _engine
+    from tiers import FileTier, HostMemoryTier
+
+    monkeypatch.setattr(_engine, "distributed_context", lambda requested: (0, 2))
+    monkeypatch.setattr(_engine, "Coordinator", _Peers)
+    tier = FileTier(tmp_path / "f")
+    options = {"shard_size": 1 << 14, "retries": 0}
+    async with lazyckpt.Checkpointer([HostMemoryTier(4 << 20), tier], **options) as ckpt:
+        for step in (1, 2, 3):
+            handle = await ckpt.snapshot({"w": torch.full((8,), float(step))}, step=step)
+            if step == _Peers.lost_step:
+                with pytest.raises(lazyckpt.SnapshotFailedError):
+                    await handle.reached("file")
+            else:
+                await handle.reached("file")
+        # this rank wrote step 2's record before the confirmation was lost: it is taken back
+        assert await tier.steps() == [1, 3]
+        assert not (tmp_path / "f" / "step-000000000002").exists()
