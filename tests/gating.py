@@ -35,20 +35,21 @@ def hold_captures(ckpt: lazyckpt.Checkpointer) -> tuple[threading.Event, Callabl
 
 class HeldChecksums:
     """Wraps the engine's checksum stage: every checksum waits for ``gate``; ``fail_at``
-    (a count of checksums started) makes that one raise instead."""
+    (a count of checksums started) makes that one raise instead, ``fail_all`` every one."""
 
-    def __init__(self, real: Any, *, fail_at: int | None = None) -> None:
+    def __init__(self, real: Any, *, fail_at: int | None = None, fail_all: bool = False) -> None:
         self.real = real
         self.gate = threading.Event()
         self.started = 0
         self.done = 0
         self.fail_at = fail_at
+        self.fail_all = fail_all
 
     async def checksum(self, block: Any) -> int:
         self.started += 1
         mine = self.started
         await asyncio.to_thread(self.gate.wait, 30)
-        if mine == self.fail_at:
+        if self.fail_all or mine == self.fail_at:
             raise OSError("checksum thread lost")
         crc = int(await self.real.checksum(block))
         self.done += 1

@@ -1014,7 +1014,7 @@ def test_a_failing_checksum_after_a_cuda_capture_fails_cleanly(tmp_path: Path) -
         engine = ckpt._core.engine
         capture = engine.capture
         assert isinstance(capture, CudaCapture)
-        held = HeldChecksums(engine.checksums, fail_at=1)
+        held = HeldChecksums(engine.checksums, fail_all=True)
         engine.checksums = held
         capture.mark_snapshot(1)
         handle = ckpt.snapshot({"t": t}, step=1)
