@@ -7,12 +7,12 @@ import asyncio
 import errno
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from ranks import commit_each
 
 import lazyckpt
 from lazyckpt import hooks
@@ -48,22 +48,8 @@ async def run(scenario: str, root: Path, rank: int) -> dict[str, Any]:
         hooks.set_hook(refuse)
     async with lazyckpt.Checkpointer(chain, **options) as ckpt:
         if scenario in ("commit", "kill", "fail"):
-            errors = []
-            for step in range(3 if scenario == "kill" else 4):
-                handle = await ckpt.snapshot(state_of(rank, step), step=step)
-                t0 = time.monotonic()
-                try:
-                    await handle.committed()
-                except lazyckpt.SnapshotFailedError as exc:
-                    errors.append(
-                        {
-                            "step": step,
-                            "types": sorted({type(e).__name__ for e in exc.exceptions}),
-                            "messages": [str(e) for e in exc.exceptions],
-                            "seconds": time.monotonic() - t0,
-                        }
-                    )
-            result["errors"] = errors
+            steps = range(3 if scenario == "kill" else 4)
+            result["errors"] = await commit_each(ckpt, ((s, state_of(rank, s)) for s in steps))
             if scenario == "kill":
                 return result  # the peer is gone: no more collectives
         result["steps"] = await ckpt.steps()

@@ -93,3 +93,28 @@ def rank_results(out: Path) -> dict[int, dict[str, Any]]:
         data = json.loads(path.read_text())
         found[data["rank"]] = data
     return found
+
+
+async def commit_each(ckpt: Any, states: Any) -> list[dict[str, Any]]:
+    """Rank-side: snapshot each ``(step, state)`` and wait for its commit; return, for every
+    step that failed, its step, error types and messages, and how long the failure took."""
+    import time
+
+    import lazyckpt
+
+    errors: list[dict[str, Any]] = []
+    for step, state in states:
+        handle = await ckpt.snapshot(state, step=step)
+        t0 = time.monotonic()
+        try:
+            await handle.committed()
+        except lazyckpt.SnapshotFailedError as exc:
+            errors.append(
+                {
+                    "step": step,
+                    "types": sorted({type(e).__name__ for e in exc.exceptions}),
+                    "messages": [str(e) for e in exc.exceptions],
+                    "seconds": time.monotonic() - t0,
+                }
+            )
+    return errors

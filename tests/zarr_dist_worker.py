@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from ranks import commit_each
 
 import lazyckpt
 from lazyckpt import hooks
@@ -90,27 +90,13 @@ async def kill(location: str, rank: int) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": rank}
     if rank == 1:
         hooks.crash_at("tier.commit.before", 3)  # committing its part of step 2
-    errors = []
     # rank 0 learns of the dead rank from its closed connection at once; the deadline bounds
     # how long it would wait for one that hangs instead
     options = {**OPTIONS, "deadline": 20.0}
     async with lazyckpt.Checkpointer(
         [ZarrTier(location)], staging_bytes=1 << 20, **options
     ) as ckpt:
-        for step in range(3):
-            handle = await ckpt.snapshot(state_of(rank, step), step=step)
-            t0 = time.monotonic()
-            try:
-                await handle.committed()
-            except lazyckpt.SnapshotFailedError as exc:
-                errors.append(
-                    {
-                        "step": step,
-                        "types": sorted({type(e).__name__ for e in exc.exceptions}),
-                        "seconds": time.monotonic() - t0,
-                    }
-                )
-        result["errors"] = errors
+        result["errors"] = await commit_each(ckpt, ((s, state_of(rank, s)) for s in range(3)))
     return result
 
 
