@@ -244,6 +244,13 @@ def arena() -> HostArena:
     return a  # tests keep blocks held at the end; the memory goes with the object
 
 
+@pytest.fixture
+def capture(rt: FakeRuntime) -> Iterator[CudaCapture]:
+    c = CudaCapture(runtime=rt)
+    yield c
+    c.close()
+
+
 def make_jobs(manifest: Manifest, refs: list[TensorRef], arena: HostArena) -> list[CaptureJob]:
     jobs = []
     for shard in manifest.shards:
@@ -437,24 +444,20 @@ async def test_capture_writes_the_same_bytes_as_the_cpu_path(
 
 
 async def test_the_capture_returns_only_once_the_copy_is_complete(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     rt.budget = 0
     t = rt.to_device(torch.randn(16, 128))  # 8 KiB: one chunk
     manifest, refs = plan({"t": t})
     (job,) = make_jobs(manifest, refs, arena)
-    capture = CudaCapture(runtime=rt)
-    try:
-        flow = asyncio.create_task(capture.capture(job))
-        await settle_loop(0.1)
-        assert not flow.done()
-        (event,) = rt.copy_events
-        assert event.queries >= 3  # polled, again and again, without blocking
-        assert bytes(job.block.memoryview()[:16]) == b"\xab" * 16  # the "DMA" has not run
-        rt.budget = None
-        await asyncio.wait_for(flow, 5)
-    finally:
-        capture.close()
+    flow = asyncio.create_task(capture.capture(job))
+    await settle_loop(0.1)
+    assert not flow.done()
+    (event,) = rt.copy_events
+    assert event.queries >= 3  # polled, again and again, without blocking
+    assert bytes(job.block.memoryview()[:16]) == b"\xab" * 16  # the "DMA" has not run
+    rt.budget = None
+    await asyncio.wait_for(flow, 5)
     assert block_checksum(job.block) == crc32c.crc32c(t.numpy().tobytes())
 
 
@@ -487,130 +490,104 @@ async def test_copies_in_flight_are_bounded_and_enqueued_in_shard_order(
 
 
 async def test_a_tensor_changed_before_its_copy_is_enqueued_fails_at_once(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     t = rt.to_device(torch.randn(16, 128))
     manifest, refs = plan({"t": t})
     (job,) = make_jobs(manifest, refs, arena)
     t.mul_(2)
-    capture = CudaCapture(runtime=rt)
-    try:
-        with pytest.raises(ImmutabilityViolationError, match="'t'"):
-            await capture.capture(job)
-    finally:
-        capture.close()
+    with pytest.raises(ImmutabilityViolationError, match="'t'"):
+        await capture.capture(job)
     assert rt.copied == []
 
 
 async def test_a_tensor_changed_while_its_copy_runs_fails_the_capture(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     rt.budget = 0
     t = rt.to_device(torch.randn(16, 128))
     manifest, refs = plan({"t": t})
     (job,) = make_jobs(manifest, refs, arena)
-    capture = CudaCapture(runtime=rt)
-    try:
-        flow = asyncio.create_task(capture.capture(job))
-        await until(lambda: len(rt.copy_events) == 1)
-        t.add_(1)  # no guard: the optimizer would race the copy
-        rt.budget = None
-        with pytest.raises(ImmutabilityViolationError, match="'t'"):
-            await asyncio.wait_for(flow, 5)
-        lane = capture._lanes[0]
-        assert lane.window.held == 0 and not lane.queue
-    finally:
-        capture.close()
+    flow = asyncio.create_task(capture.capture(job))
+    await until(lambda: len(rt.copy_events) == 1)
+    t.add_(1)  # no guard: the optimizer would race the copy
+    rt.budget = None
+    with pytest.raises(ImmutabilityViolationError, match="'t'"):
+        await asyncio.wait_for(flow, 5)
+    lane = capture._lanes[0]
+    assert lane.window.held == 0 and not lane.queue
 
 
 async def test_a_changed_cpu_source_fails_the_capture_too(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     host = torch.randn(40, 40)
     manifest, refs = plan({"host": host})
     (job,) = make_jobs(manifest, refs, arena)
     host.add_(1)
-    capture = CudaCapture(runtime=rt)
-    try:
-        with pytest.raises(ImmutabilityViolationError, match="'host'"):
-            await capture.capture(job)
-    finally:
-        capture.close()
+    with pytest.raises(ImmutabilityViolationError, match="'host'"):
+        await capture.capture(job)
 
 
 async def test_the_copy_waits_for_the_snapshot_event_when_marked(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     t = rt.to_device(torch.randn(16, 128))
-    capture = CudaCapture(runtime=rt)
-    try:
-        manifest, refs = plan({"t": t}, step=5)
-        capture.mark_snapshot(5)
-        (mark,) = rt.compute[0].events
-        (job,) = make_jobs(manifest, refs, arena)
-        await capture.capture(job)
-        (side,) = rt.sides
-        assert side.log[0] == ("wait_event", mark)
+    manifest, refs = plan({"t": t}, step=5)
+    capture.mark_snapshot(5)
+    (mark,) = rt.compute[0].events
+    (job,) = make_jobs(manifest, refs, arena)
+    await capture.capture(job)
+    (side,) = rt.sides
+    assert side.log[0] == ("wait_event", mark)
 
-        manifest, refs = plan({"t": t}, step=6)  # not marked: wait for the whole stream
-        (job,) = make_jobs(manifest, refs, arena)
-        await capture.capture(job)
-        assert side.log[-1] == ("wait_stream", rt.compute[0])
-        assert capture._marks == {}  # dropped once its step is captured
-    finally:
-        capture.close()
+    manifest, refs = plan({"t": t}, step=6)  # not marked: wait for the whole stream
+    (job,) = make_jobs(manifest, refs, arena)
+    await capture.capture(job)
+    assert side.log[-1] == ("wait_stream", rt.compute[0])
+    assert capture._marks == {}  # dropped once its step is captured
 
 
-async def test_mark_snapshot_does_nothing_before_the_device_is_used(rt: FakeRuntime) -> None:
+async def test_mark_snapshot_does_nothing_before_the_device_is_used(
+    rt: FakeRuntime, capture: CudaCapture
+) -> None:
     rt.device_now = None
-    capture = CudaCapture(runtime=rt)
-    try:
-        capture.mark_snapshot(1)
-        assert rt.compute == {} and capture._marks == {}
-    finally:
-        capture.close()
+    capture.mark_snapshot(1)
+    assert rt.compute == {} and capture._marks == {}
 
 
 async def test_a_cancelled_capture_returns_only_after_its_copy_completes(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     rt.budget = 0
     t = rt.to_device(torch.randn(16, 128))
     manifest, refs = plan({"t": t})
     (job,) = make_jobs(manifest, refs, arena)
-    capture = CudaCapture(runtime=rt)
-    try:
-        flow = asyncio.create_task(capture.capture(job))
-        await until(lambda: len(rt.copy_events) == 1)
-        flow.cancel()
-        await settle_loop()
-        assert not flow.done()  # the block is still a DMA target: it must not be reused yet
-        rt.budget = None
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(flow, 5)
-        assert rt.outstanding == 0
-        assert capture._lanes[0].window.held == 0
-    finally:
-        capture.close()
+    flow = asyncio.create_task(capture.capture(job))
+    await until(lambda: len(rt.copy_events) == 1)
+    flow.cancel()
+    await settle_loop()
+    assert not flow.done()  # the block is still a DMA target: it must not be reused yet
+    rt.budget = None
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(flow, 5)
+    assert rt.outstanding == 0
+    assert capture._lanes[0].window.held == 0
 
 
 async def test_bookkeeping_stays_bounded_over_many_snapshots(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     t = rt.to_device(torch.randn(8, 8))
-    capture = CudaCapture(runtime=rt)
-    try:
-        for step in range(1, 301):
-            manifest, refs = plan({"t": t}, step=step)
-            capture.mark_snapshot(step)
-            (job,) = make_jobs(manifest, refs, arena)
-            await capture.capture(job)
-            arena.release(job.block)
-        assert capture._progress == {} and capture._marks == {}
-        assert len(capture._finished) <= 256
-        assert not capture._lanes[0].queue
-    finally:
-        capture.close()
+    for step in range(1, 301):
+        manifest, refs = plan({"t": t}, step=step)
+        capture.mark_snapshot(step)
+        (job,) = make_jobs(manifest, refs, arena)
+        await capture.capture(job)
+        arena.release(job.block)
+    assert capture._progress == {} and capture._marks == {}
+    assert len(capture._finished) <= 256
+    assert not capture._lanes[0].queue
 
 
 # -- the stream guard ---------------------------------------------------------------------------
@@ -621,7 +598,7 @@ async def start_all(capture: CudaCapture, jobs: list[CaptureJob]) -> list[asynci
 
 
 async def test_the_fence_orders_the_compute_stream_without_waiting_for_the_copy(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     rt.budget = 0
     t = rt.to_device(torch.randn(48, 128))  # three chunks
@@ -629,80 +606,68 @@ async def test_the_fence_orders_the_compute_stream_without_waiting_for_the_copy(
     manifest, refs = plan({"t": t, "step": step_count})
     jobs = make_jobs(manifest, refs, arena)
     flight = FakeFlight(manifest)
-    capture = CudaCapture(runtime=rt)
-    try:
-        flows = await start_all(capture, jobs)
-        await until(lambda: len(rt.copy_events) == 3)
-        t0 = time.perf_counter()
-        waited = await asyncio.to_thread(capture.fence, [flight])
-        assert time.perf_counter() - t0 < 1.0 and waited == 1
-        assert rt.compute[0].log == [("wait_event", rt.copy_events[-1])]
-        device_flows = [
-            flow for flow, job in zip(flows, jobs, strict=True) if job.shard.kind == "chunk"
-        ]
-        assert not any(flow.done() for flow in device_flows)  # the CPU went on, the copies run
-        assert capture.pending_events() == [(0, rt.copy_events[-1])]
-        t.add_(0)  # the optimizer step, issued after the fence: the GPU runs it after the copy
-        step_count.add_(1)
-        rt.budget = None
-        await asyncio.wait_for(asyncio.gather(*flows), 5)
-    finally:
-        capture.close()
+    flows = await start_all(capture, jobs)
+    await until(lambda: len(rt.copy_events) == 3)
+    t0 = time.perf_counter()
+    waited = await asyncio.to_thread(capture.fence, [flight])
+    assert time.perf_counter() - t0 < 1.0 and waited == 1
+    assert rt.compute[0].log == [("wait_event", rt.copy_events[-1])]
+    device_flows = [
+        flow for flow, job in zip(flows, jobs, strict=True) if job.shard.kind == "chunk"
+    ]
+    assert not any(flow.done() for flow in device_flows)  # the CPU went on, the copies run
+    assert capture.pending_events() == [(0, rt.copy_events[-1])]
+    t.add_(0)  # the optimizer step, issued after the fence: the GPU runs it after the copy
+    step_count.add_(1)
+    rt.budget = None
+    await asyncio.wait_for(asyncio.gather(*flows), 5)
     assert all(flow.done() and flow.exception() is None for flow in flows)
 
 
 async def test_a_change_issued_before_the_fence_still_fails_the_snapshot(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     rt.budget = 0
     t = rt.to_device(torch.randn(16, 128))
     manifest, refs = plan({"t": t})
     jobs = make_jobs(manifest, refs, arena)
-    capture = CudaCapture(runtime=rt)
-    try:
-        (flow,) = await start_all(capture, jobs)
-        await until(lambda: len(rt.copy_events) == 1)
-        t.add_(0)  # issued after the copy was enqueued, before the fence: it may race
-        await asyncio.to_thread(capture.fence, [FakeFlight(manifest)])
-        rt.budget = None
-        with pytest.raises(ImmutabilityViolationError, match="'t'"):
-            await asyncio.wait_for(flow, 5)
-    finally:
-        capture.close()
+    (flow,) = await start_all(capture, jobs)
+    await until(lambda: len(rt.copy_events) == 1)
+    t.add_(0)  # issued after the copy was enqueued, before the fence: it may race
+    await asyncio.to_thread(capture.fence, [FakeFlight(manifest)])
+    rt.budget = None
+    with pytest.raises(ImmutabilityViolationError, match="'t'"):
+        await asyncio.wait_for(flow, 5)
 
 
 async def test_the_fence_waits_until_every_shard_of_a_pending_snapshot_is_staged(
-    arena: HostArena, rt: FakeRuntime
+    arena: HostArena, rt: FakeRuntime, capture: CudaCapture
 ) -> None:
     rt.budget = 0
     t = rt.to_device(torch.randn(48, 128))
     manifest, refs = plan({"t": t})
     jobs = make_jobs(manifest, refs, arena)
     flight = FakeFlight(manifest)
-    capture = CudaCapture(runtime=rt)
-    try:
-        first = asyncio.create_task(capture.capture(jobs[0]))
-        await until(lambda: len(rt.copy_events) == 1)
-        fencing = asyncio.create_task(asyncio.to_thread(capture.fence, [flight]))
-        await settle_loop(0.2)
-        assert not fencing.done()  # two shards have no copy to wait on yet
-        rest = await start_all(capture, jobs[1:])
-        assert await asyncio.wait_for(fencing, 5) == 1
-        assert rt.compute[0].log == [("wait_event", rt.copy_events[-1])]
-        assert len(rt.copy_events) == 3
-        rt.budget = None
-        await asyncio.gather(first, *rest)
+    first = asyncio.create_task(capture.capture(jobs[0]))
+    await until(lambda: len(rt.copy_events) == 1)
+    fencing = asyncio.create_task(asyncio.to_thread(capture.fence, [flight]))
+    await settle_loop(0.2)
+    assert not fencing.done()  # two shards have no copy to wait on yet
+    rest = await start_all(capture, jobs[1:])
+    assert await asyncio.wait_for(fencing, 5) == 1
+    assert rt.compute[0].log == [("wait_event", rt.copy_events[-1])]
+    assert len(rt.copy_events) == 3
+    rt.budget = None
+    await asyncio.gather(first, *rest)
 
-        # a snapshot that failed before all its shards started must not hold the fence
-        manifest2, _ = plan({"t": t}, step=2)
-        failed = FakeFlight(manifest2)
-        fencing = asyncio.create_task(asyncio.to_thread(capture.fence, [failed]))
-        await settle_loop(0.1)
-        assert not fencing.done()
-        failed.captured.set_exception(RuntimeError("capture failed"))
-        assert await asyncio.wait_for(fencing, 5) == 0
-    finally:
-        capture.close()
+    # a snapshot that failed before all its shards started must not hold the fence
+    manifest2, _ = plan({"t": t}, step=2)
+    failed = FakeFlight(manifest2)
+    fencing = asyncio.create_task(asyncio.to_thread(capture.fence, [failed]))
+    await settle_loop(0.1)
+    assert not fencing.done()
+    failed.captured.set_exception(RuntimeError("capture failed"))
+    assert await asyncio.wait_for(fencing, 5) == 0
 
 
 async def test_stream_guard_hook_fences_from_an_optimizer_step(
