@@ -131,25 +131,51 @@ def plain_write_fsync(path: Path, payloads: list[bytes]) -> float:
 
 async def bench_local(size: int, reps: int, progress: Progress) -> dict[str, Any]:
     manifest, payloads = build_snapshot(1, weights_state(size), shard_size=SHARD, pack_bytes=MiB)
-    nbytes = sum(len(p) for p in payloads)
-    times: dict[str, list[float]] = {"plain write+fsync": [], "ZarrTier durable": []}
     with scratch_dir(None, "bench-zarr-") as d:
         tier = ZarrTier(d / "zarr")
         await tier.open()
         try:
-            for rep, method in abab(list(times), reps + 1):  # rep 0 warms up
-                if method == "plain write+fsync":
-                    seconds = await asyncio.to_thread(plain_write_fsync, d / "plain.bin", payloads)
-                else:
-                    m = _restep(manifest, rep + 1)
-                    seconds = await timed(lambda m=m: write_snapshot(tier, m, payloads))
-                    await tier.delete(m.step)
-                if rep:
-                    times[method].append(seconds)
-                progress(f"local {method}: {nbytes / MiB / seconds:.0f} MiB/s")
+            return await _side_by_side(
+                "local",
+                tier,
+                manifest,
+                payloads,
+                "plain write+fsync",
+                lambda: asyncio.to_thread(plain_write_fsync, d / "plain.bin", payloads),
+                "ZarrTier durable",
+                reps,
+                progress,
+            )
         finally:
             await tier.aclose()
-    return _rates(times, nbytes, baseline="plain write+fsync")
+
+
+async def _side_by_side(
+    where: str,
+    tier: ZarrTier,
+    manifest: Manifest,
+    payloads: list[bytes],
+    baseline: str,
+    run_baseline: Callable[[], Awaitable[float]],
+    name: str,
+    reps: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    """The baseline and the tier, alternating (rep 0 warms up); ``run_baseline`` returns
+    its own seconds. Each tier write goes under a new step and is deleted afterwards."""
+    nbytes = sum(len(p) for p in payloads)
+    times: dict[str, list[float]] = {baseline: [], name: []}
+    for rep, method in abab(list(times), reps + 1):
+        if method == baseline:
+            seconds = await run_baseline()
+        else:
+            m = _restep(manifest, rep + 1)
+            seconds = await timed(lambda m=m: write_snapshot(tier, m, payloads))
+            await tier.delete(m.step)
+        if rep:
+            times[method].append(seconds)
+        progress(f"{where} {method}: {nbytes / MiB / seconds:.0f} MiB/s")
+    return _rates(times, nbytes, baseline=baseline)
 
 
 def _restep(manifest: Manifest, step: int) -> Manifest:
@@ -223,7 +249,6 @@ async def bench_s3(size: int, reps: int, progress: Progress) -> dict[str, Any]:
         manifest, payloads = build_snapshot(
             1, weights_state(size), shard_size=SHARD, pack_bytes=MiB
         )
-        nbytes = sum(len(p) for p in payloads)
 
         async def plain_puts() -> None:
             sem = asyncio.Semaphore(INFLIGHT)
@@ -236,22 +261,25 @@ async def bench_s3(size: int, reps: int, progress: Progress) -> dict[str, Any]:
                 for i in range(len(payloads)):
                     tg.create_task(put(i))
 
-        times: dict[str, list[float]] = {"plain obstore puts": [], "ZarrTier S3": []}
+        async def baseline() -> float:
+            seconds = await timed(plain_puts)
+            await obstore.delete_async(plain, [f"shard-{i}" for i in range(len(payloads))])
+            return seconds
+
         try:
-            for rep, method in abab(list(times), reps + 1):  # rep 0 warms up
-                if method == "plain obstore puts":
-                    seconds = await timed(plain_puts)
-                    await obstore.delete_async(plain, [f"shard-{i}" for i in range(len(payloads))])
-                else:
-                    m = _restep(manifest, rep + 1)
-                    seconds = await timed(lambda m=m: write_snapshot(tier, m, payloads))
-                    await tier.delete(m.step)
-                if rep:
-                    times[method].append(seconds)
-                progress(f"s3 {method}: {nbytes / MiB / seconds:.0f} MiB/s")
+            return await _side_by_side(
+                "s3",
+                tier,
+                manifest,
+                payloads,
+                "plain obstore puts",
+                baseline,
+                "ZarrTier S3",
+                reps,
+                progress,
+            )
         finally:
             await tier.aclose()
-        return _rates(times, nbytes, baseline="plain obstore puts")
     finally:
         proc.terminate()
         try:
@@ -403,6 +431,8 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
+    if args.size * MiB < SHARD:  # the encode section writes whole chunks of SHARD bytes
+        parser.error(f"--size must be at least {SHARD // MiB} MiB, got {args.size}")
     skip = {s for s in args.skip.split(",") if s}
     size = args.size * MiB
     progress = Progress()
