@@ -313,8 +313,13 @@ class Engine:
 
     def pending_captures(self) -> list[Flight]:
         with self._lock:
-            self._pending_captures = [f for f in self._pending_captures if not f.captured.done()]
-            return list(self._pending_captures)
+            return list(self._prune_captured())
+
+    def _prune_captured(self) -> list[Flight]:
+        """Drop finished captures (under ``_lock``): a finished flight kept in this list would
+        keep its snapshot's tensors alive."""
+        self._pending_captures = [f for f in self._pending_captures if not f.captured.done()]
+        return self._pending_captures
 
     def busy_for(self, manifest: Manifest) -> bool:
         """Would this snapshot have to wait? (any thread; an estimate, read without locks)
@@ -334,11 +339,7 @@ class Engine:
     def submit(self, flight: Flight) -> None:
         """Hand a planned snapshot to the engine loop; returns at once."""
         with self._lock:
-            # drop finished captures here too, not only when a guard asks: a finished flight
-            # kept in this list would keep its snapshot's tensors alive
-            pending = [f for f in self._pending_captures if not f.captured.done()]
-            pending.append(flight)
-            self._pending_captures = pending
+            self._prune_captured().append(flight)  # here too, not only when a guard asks
         self.loop.call_soon(self._start_flight, flight)
 
     def _start_flight(self, flight: Flight) -> None:
