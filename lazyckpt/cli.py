@@ -6,9 +6,12 @@ Every subcommand takes a *location*: a directory (a :class:`~tiers.FileTier` roo
 the ``lazyckpt.tiers`` entry-point group, with the URL after ``KIND+`` as its argument. A local
 directory that holds a ``zarr.json`` is opened as a Zarr tier.
 
-Commands that only read (``ls``, ``inspect``, ``verify``, ``export``) and ``gc`` never call
-the tier's ``open()``, which for a file tier removes what a crashed writer left behind: a
-training job may be writing a snapshot into the same directory right now.
+Commands that only read (``ls``, ``inspect``, ``verify``, ``export``, the source of ``copy``)
+build the tier with ``readonly`` set and never call its ``open()``: they create, delete and
+lock nothing, so they work beside a training job that is writing to the same location.
+Commands that write (``gc``, ``import``, the destination of ``copy``) open the tier for
+writing, which takes the location's writer lock: beside a running writer they are refused
+with :class:`~lazyckpt.LocationInUseError` instead of deleting what it writes.
 
 Exit status (``docs/cli.md`` has the full table):
 
@@ -137,11 +140,13 @@ def resolve_location(spec: str) -> tuple[str, str]:
     )
 
 
-async def open_location(spec: str, *, create: bool = False) -> Location:
-    """Build the tier for ``spec``; with ``create``, also ``open()`` it for writing.
+async def open_location(spec: str, *, create: bool = False, write: bool = False) -> Location:
+    """Build the tier for ``spec``: read-only (``readonly`` set, not opened), or with
+    ``write`` or ``create`` opened for writing (``create`` also makes a missing directory).
 
     Raises:
         CommandError: no such directory (exit 3), or no tier for it (exit 2).
+        LocationInUseError: another writer holds the location (``write``/``create``).
     """
     # Resolving looks at the file system (a Zarr root?) and loads the tier plugins.
     kind, arg = await asyncio.to_thread(resolve_location, spec)
@@ -154,7 +159,9 @@ async def open_location(spec: str, *, create: bool = False) -> Location:
     if kind == "file" and not create and not await asyncio.to_thread(Path(arg).is_dir):
         raise CommandError(f"{spec}: no such directory", EXIT_NOT_FOUND)
     tier = load_tier(kind, arg)
-    if create:
+    if not (create or write):
+        tier.readonly = True  # reads create, delete and lock nothing
+    else:
         try:
             await tier.open()
         except BaseException:
@@ -164,8 +171,10 @@ async def open_location(spec: str, *, create: bool = False) -> Location:
 
 
 @contextlib.asynccontextmanager
-async def _opened(spec: str, *, create: bool = False) -> AsyncIterator[Location]:
-    location = await open_location(spec, create=create)
+async def _opened(
+    spec: str, *, create: bool = False, write: bool = False
+) -> AsyncIterator[Location]:
+    location = await open_location(spec, create=create, write=write)
     try:
         yield location
     finally:
@@ -1320,7 +1329,8 @@ async def _copy(args: argparse.Namespace, ui: Console) -> int:
 
 async def _gc(args: argparse.Namespace, ui: Console) -> int:
     retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every)
-    async with _opened(args.location) as loc:
+    # a writer: never beside a training job's own retention (the writer lock refuses it)
+    async with _opened(args.location, write=not args.dry_run) as loc:
         steps = await loc.tier.steps()
         doomed = retention.to_delete(steps)
         for step in doomed:

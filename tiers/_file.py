@@ -182,6 +182,8 @@ class FileTier(Tier):
                 raise SnapshotNotFoundError(f"{self.root}: no such directory (tier {self.name!r})")
             self._survey()  # refuses a foreign location; changes nothing
             return
+        if self.root.is_dir() and (self.world_size == 1 or self.rank == 0):
+            self._survey()  # a foreign location is refused before anything is written there
         self.root.mkdir(parents=True, exist_ok=True)
         lock = WriterLock(self.root / lock_name(self.rank), str(self.root))
         lock.acquire()

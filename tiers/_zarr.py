@@ -897,6 +897,11 @@ class ZarrTier(Tier):
         if self._closed:
             raise TierClosedError("closed", tier=self.name)
         self._sync_primitives()
+        store = self._store
+        if self.readonly and isinstance(store, DurableLocalStore) and not store.read_only:
+            # readonly was set after construction (before any use): a store that never
+            # creates the directory
+            self._store = store.with_read_only(True)
         try:
             yield
         except LazyCkptError:
@@ -1021,9 +1026,10 @@ class ZarrTier(Tier):
         except (ValueError, AttributeError) as exc:
             raise CorruptionError(f"{self.location}/zarr.json is not a Zarr group: {exc}") from exc
         if not isinstance(doc.get("attributes", {}).get("lazyckpt"), dict):
-            raise ConfigurationError(
-                f"{self.location} holds a Zarr group that lazyckpt did not write; give "
-                "ZarrTier an empty location"
+            raise ForeignLocationError(
+                f"{self.location} holds a Zarr group that lazyckpt did not write; nothing was "
+                "changed. Give ZarrTier an empty or new location.",
+                location=self.location,
             )
         return doc  # type: ignore[no-any-return]
 
@@ -1068,6 +1074,9 @@ class ZarrTier(Tier):
             if self.readonly:
                 await self._open_readonly()
                 return
+            if self._committer and await self._read_root() is None:
+                # a foreign location is refused before the lock or lease is written there
+                await self._rebuild_index(self._check_root_names(await self._names("")))
             await self._take_writer_lock()
             try:
                 await self._open_for_writing()
