@@ -56,7 +56,9 @@ class TestZarrTierS3(TierTests):
         client = self.location.server.client()
         bucket, prefix = self.location.server.bucket, self.location.prefix
         client.put_object(Bucket=bucket, Key=f"{prefix}/lazyckpt-file.json", Body=b"{}")
-        client.put_object(Bucket=bucket, Key=f"{prefix}/step-000000000001/manifest.json", Body=b"{}")
+        client.put_object(
+            Bucket=bucket, Key=f"{prefix}/step-000000000001/manifest.json", Body=b"{}"
+        )
         return self.location.keys
 
     async def missing_location(self) -> tuple[Tier, Callable[[], bool]]:
