@@ -7,8 +7,9 @@ the ``lazyckpt.tiers`` entry-point group, with the URL after ``KIND+`` as its ar
 directory that holds a ``zarr.json`` is opened as a Zarr tier.
 
 Commands that only read (``ls``, ``inspect``, ``verify``, ``export``, the source of ``copy``)
-build the tier with ``readonly`` set and never call its ``open()``: they create, delete and
-lock nothing, so they work beside a training job that is writing to the same location.
+build the tier read-only (``readonly=True``, for a tier whose constructor takes it, which is
+then opened so; otherwise ``readonly`` is set and ``open()`` is never called): they create,
+delete and lock nothing, so they work beside a training job writing to the same location.
 Commands that write (``gc``, ``import``, the destination of ``copy``) open the tier for
 writing, which takes the location's writer lock: beside a running writer they are refused
 with :class:`~lazyckpt.LocationInUseError` instead of deleting what it writes.
@@ -33,6 +34,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -141,8 +143,10 @@ def resolve_location(spec: str) -> tuple[str, str]:
 
 
 async def open_location(spec: str, *, create: bool = False, write: bool = False) -> Location:
-    """Build the tier for ``spec``: read-only (``readonly`` set, not opened), or with
-    ``write`` or ``create`` opened for writing (``create`` also makes a missing directory).
+    """Build the tier for ``spec``: read-only, or with ``write`` or ``create`` opened for
+    writing (``create`` also makes a missing directory). A read-only tier is opened only
+    when its constructor takes ``readonly=`` (the built-in tiers do): one that does not may
+    not honour it, and reads need no ``open()``.
 
     Raises:
         CommandError: no such directory (exit 3), or no tier for it (exit 2).
@@ -158,9 +162,14 @@ async def open_location(spec: str, *, create: bool = False, write: bool = False)
         )
     if kind == "file" and not create and not await asyncio.to_thread(Path(arg).is_dir):
         raise CommandError(f"{spec}: no such directory", EXIT_NOT_FOUND)
-    tier = load_tier(kind, arg)
-    if not (create or write):
-        tier.readonly = True  # reads create, delete and lock nothing
+    readonly = not (create or write)
+    factory = available_tiers().get(kind)
+    # a tier whose constructor takes readonly= honours it: opened so, it checks the location
+    # (a missing one is SnapshotNotFoundError) and creates, deletes and locks nothing
+    honours = readonly and factory is not None and _takes_readonly(factory)
+    tier = load_tier(kind, arg, readonly=True) if honours else load_tier(kind, arg)
+    if readonly and not honours:
+        tier.readonly = True  # asked, but maybe not honoured: so never opened for a read
     else:
         try:
             await tier.open()
@@ -168,6 +177,14 @@ async def open_location(spec: str, *, create: bool = False, write: bool = False)
             await tier.aclose()
             raise
     return Location(spec, kind, tier)
+
+
+def _takes_readonly(factory: Callable[..., Tier]) -> bool:
+    """Whether a tier's constructor takes ``readonly=`` (and so honours it in ``open()``)."""
+    try:
+        return "readonly" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @contextlib.asynccontextmanager

@@ -251,3 +251,25 @@ async def test_one_writer_per_directory(tmp_path: Path) -> None:
     async with lazyckpt.Checkpointer([FileTier(tmp_path)], staging_bytes=1 << 20) as c:
         await (await c.snapshot(state, step=3)).committed()
         assert await c.steps() == [1, 3]
+
+
+def test_cli_reads_beside_a_writer_and_gc_waits_its_turn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lazyckpt.cli import main
+
+    with lazyckpt.SyncCheckpointer([FileTier(tmp_path)], staging_bytes=1 << 20, **SMALL) as c:
+        for step in (1, 2, 3):
+            c.snapshot({"w": torch.full((4,), float(step))}, step=step).wait()
+        assert main(["ls", str(tmp_path)]) == 0  # a reader beside the writer
+        assert main(["verify", str(tmp_path), "--all", "-q"]) == 0
+        # gc deletes: a second writer, refused while the first is open
+        assert main(["gc", str(tmp_path), "--keep-last", "1"]) == 2
+        assert f"{tmp_path} is being written by process {os.getpid()}" in capsys.readouterr().err
+        assert [p.name for p in sorted(tmp_path.glob("step-*"))] == [
+            "step-000000000001",
+            "step-000000000002",
+            "step-000000000003",
+        ]
+    assert main(["gc", str(tmp_path), "--keep-last", "1"]) == 0  # its turn now
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-000000000003"]

@@ -225,3 +225,22 @@ async def test_a_lost_s3_index_is_rebuilt(s3: S3Location) -> None:
         await tier.aclose()
     body = client.get_object(Bucket=s3.server.bucket, Key=f"{s3.prefix}/zarr.json")["Body"]
     assert json.loads(body.read())["attributes"]["lazyckpt"]["committed"] == [1, 2]
+
+
+def test_cli_reads_create_nothing(
+    tmp_path: Path, s3: S3Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lazyckpt.cli import EXIT_NOT_FOUND, main
+
+    missing = tmp_path / "nothing-here"
+    assert main(["ls", f"zarr+file://{missing}"]) == EXIT_NOT_FOUND
+    assert not missing.exists()
+    options = s3.server.tier_options()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_REGION", options["region"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    assert main(["ls", "s3://no-such-bucket-here/run"]) == EXIT_NOT_FOUND
+    buckets = {b["Name"] for b in s3.server.client().list_buckets()["Buckets"]}
+    assert "no-such-bucket-here" not in buckets

@@ -180,7 +180,7 @@ class FileTier(Tier):
         if self.readonly:
             if not self.root.is_dir():
                 raise SnapshotNotFoundError(f"{self.root}: no such directory (tier {self.name!r})")
-            self._survey()  # refuses a foreign location; changes nothing
+            self._survey(writing=False)  # refuses another store's location; changes nothing
             return
         if self.root.is_dir() and (self.world_size == 1 or self.rank == 0):
             self._survey()  # a foreign location is refused before anything is written there
@@ -205,11 +205,12 @@ class FileTier(Tier):
             raise
         self._lock = lock
 
-    def _survey(self) -> tuple[bool, list[Path], list[Path]]:
+    def _survey(self, *, writing: bool = True) -> tuple[bool, list[Path], list[Path]]:
         """What the root holds: whether it carries the marker, the uncommitted step
         directories a crash left, and the temporaries. Raises
         :class:`~lazyckpt.ForeignLocationError` when anything says this is not a file tier's
-        location (nothing has been changed then)."""
+        location (nothing has been changed then). A reader (not ``writing``), which deletes
+        nothing, only refuses what another store wrote, not files it merely does not know."""
         where = str(self.root)
         marked = False
         marker = self.root / MARKER
@@ -232,6 +233,8 @@ class FileTier(Tier):
                 names = sorted(p.name for p in entry.iterdir())
                 temps += [entry / n for n in names if _TEMP.match(n)]
                 foreign = [n for n in names if not _STEP_FILE.match(n) and not _TEMP.match(n)]
+                if not writing:
+                    foreign = [n for n in foreign if n == "zarr.json"]
                 if foreign:
                     what = (
                         "a Zarr group (a ZarrTier location?)"
@@ -249,7 +252,7 @@ class FileTier(Tier):
                 temps.append(entry)
             elif not (_LOCK.match(name) or name == MARKER):
                 strangers.append(name)
-        if strangers and not marked:
+        if strangers and not marked and writing:
             raise ForeignLocationError(
                 f"{self.root} holds {', '.join(strangers[:5])}"
                 f"{' and more' if len(strangers) > 5 else ''}, which a file tier did not "
