@@ -273,3 +273,29 @@ def test_cli_reads_beside_a_writer_and_gc_waits_its_turn(
         ]
     assert main(["gc", str(tmp_path), "--keep-last", "1"]) == 0  # its turn now
     assert [p.name for p in tmp_path.glob("step-*")] == ["step-000000000003"]
+
+
+@pytest.mark.parametrize("kind", ["file", "zarr"])
+async def test_one_lock_per_rank(tmp_path: Path, kind: str) -> None:
+    """The ranks of one job write beside each other; a second job's rank is refused."""
+
+    def rank(r: int) -> lazyckpt.Tier:
+        tier = lazyckpt.load_tier(kind, str(tmp_path))
+        tier.rank, tier.world_size = r, 2
+        return tier
+
+    ranks = [rank(0), rank(1)]
+    for tier in ranks:
+        await tier.open()
+    try:
+        intruder = rank(1)
+        with pytest.raises(lazyckpt.LocationInUseError, match="rank-00001"):
+            await intruder.open()
+        await intruder.aclose()
+    finally:
+        for tier in ranks:
+            await tier.aclose()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".lazyckpt-writer")) == [
+        ".lazyckpt-writer-rank-00000.lock",
+        ".lazyckpt-writer-rank-00001.lock",
+    ]
