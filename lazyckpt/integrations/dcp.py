@@ -52,7 +52,6 @@ import torch
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import (
-    STATE_DICT_TYPE,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -80,6 +79,8 @@ from .._manifest import Manifest
 from .._tree import decode_tree
 
 __all__ = ["LazyStorageReader", "LazyStorageWriter"]
+
+StateDict = dict[str, Any]
 
 AnyCheckpointer = Checkpointer | SyncCheckpointer
 
@@ -144,7 +145,7 @@ def _chain(
     def done(_: concurrent.futures.Future[None]) -> None:
         try:
             handle.wait(stage, timeout=0)
-        except BaseException as exc:  # noqa: BLE001 - handed on to DCP's future unchanged
+        except BaseException as exc:  # handed on to DCP's future unchanged
             on_error(exc)
             return
         on_ok()
@@ -187,7 +188,7 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
             return False
         return True
 
-    def stage(self, state_dict: STATE_DICT_TYPE) -> concurrent.futures.Future[STATE_DICT_TYPE]:
+    def stage(self, state_dict: StateDict) -> concurrent.futures.Future[StateDict]:
         """Take the lazyckpt snapshot of ``state_dict`` (no copy) and return a future that
         resolves to it once the capture is done (DCP's ``staging_completion``)."""
         step = self._step
@@ -201,7 +202,7 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
             step = _step_of(found)
         handle = self._core.snapshot(state_dict, step)
         self._handle = handle
-        staged: concurrent.futures.Future[STATE_DICT_TYPE] = concurrent.futures.Future()
+        staged: concurrent.futures.Future[StateDict] = concurrent.futures.Future()
         if handle.skipped:  # when_busy="skip": nothing to wait for; write_data reports it
             staged.set_result(state_dict)
             return staged
@@ -214,10 +215,15 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
         )
         return staged
 
+    def synchronize_staging(self) -> None:
+        """Block until every pending capture is done (DCP's older synchronization point;
+        ``staging_completion`` or ``checkpointer.guard(optimizer)`` are the usual ones)."""
+        self._core.wait_captured_blocking()
+
     def close(self) -> None:
         """Nothing to release: the Checkpointer owns every resource."""
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """Start a save; ``checkpoint_id`` (if given) is its step."""
         if checkpoint_id is None:
             return
@@ -259,8 +265,8 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
         if handle.skipped:
             try:
                 handle.wait("committed", timeout=0)  # raises SnapshotSkippedError
-            except Exception as exc:  # noqa: BLE001 - becomes the save's outcome
-                written.set_exception(exc)
+            except Exception as exc:  # becomes the save's outcome
+                written.set_exception(exc)  # type: ignore[arg-type]  # torch's stub is wrong
             return written
         _chain(
             handle._future("committed"),
@@ -329,7 +335,7 @@ class LazyStorageReader(StorageReader):
         """True when ``checkpoint_id`` names a step (an int, or decimal digits)."""
         return LazyStorageWriter.validate_checkpoint_id(checkpoint_id)
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """Start a load; ``checkpoint_id`` (if given) is its step."""
         self._manifest = None
         if checkpoint_id is not None:

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -88,20 +89,21 @@ def main() -> None:
             train(model, opt, 0)
             train(model, opt, 1)
             state = dcp_state(model, opt)
-            response = dcp.async_save(
+            response = async_save(
                 state,
-                checkpoint_id=1,
+                checkpoint_id="1",
                 storage_writer=LazyStorageWriter(ckpt),
                 process_group=dcp_group,
             )
             result["response"] = type(response).__name__
+            assert isinstance(response, AsyncSaveResponse)
             response.staging_completion.result()
             expected = full(dcp_state(model, opt))
             train(model, opt, 2)  # changes the tensors while step 1 may still be uploading
             response.upload_completion.result()
-            dcp.save(
+            save(
                 dcp_state(model, opt),
-                checkpoint_id=2,
+                checkpoint_id="2",
                 storage_writer=LazyStorageWriter(ckpt),
                 process_group=dcp_group,
             )
@@ -111,8 +113,10 @@ def main() -> None:
         else:
             state = dcp_state(model, opt)
             reader = LazyStorageReader(ckpt)
-            dcp.load(state, checkpoint_id=1, storage_reader=reader, process_group=dcp_group)
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            load(state, checkpoint_id="1", storage_reader=reader, process_group=dcp_group)
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
             loaded = flat(full(dcp_state(model, opt)))
             expected = flat(torch.load(out / "expected.pt", weights_only=True))
             result["keys"] = sorted(loaded) == sorted(expected)
