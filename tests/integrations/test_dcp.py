@@ -5,6 +5,7 @@ on 1."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
@@ -276,3 +277,16 @@ def test_fsdp2_saved_on_two_ranks_loads_on_one(tmp_path: Path) -> None:
     assert loaded["differ"] == []
     assert loaded["steps"] == [1, 2]
     assert loaded["restored_keys"] == ["model", "optim"]
+
+
+def test_the_dcp_async_save_example_runs() -> None:
+    example = Path(__file__).parent.parent.parent / "examples" / "dcp_async_save.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--steps", "8", "--every", "4", "--width", "64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "committed steps: [4, 8] -> file" in out.stdout
+    assert "model and optimizer bit for bit" in out.stdout
