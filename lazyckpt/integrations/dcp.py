@@ -179,6 +179,13 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
         self._step = None if step is None else _step_of(step)
         self._handle: SnapshotHandle | None = None
 
+    def __reduce__(self) -> Any:
+        raise ConfigurationError(
+            "LazyStorageWriter cannot be sent to another process: its Checkpointer runs in "
+            "this one. Use dcp.async_save's default AsyncCheckpointerType.THREAD (lazyckpt "
+            "already does its copying and writing off the training thread)"
+        )
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """True when ``checkpoint_id`` names a step (an int, or decimal digits)."""

@@ -5,6 +5,8 @@ on 1."""
 from __future__ import annotations
 
 import json
+import pickle
+import re
 import subprocess
 import sys
 import warnings
@@ -290,3 +292,21 @@ def test_the_dcp_async_save_example_runs() -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "committed steps: [4, 8] -> file" in out.stdout
     assert "model and optimizer bit for bit" in out.stdout
+
+
+def test_the_process_executor_is_refused_with_a_reason(ckpt: SyncCheckpointer) -> None:
+    with pytest.raises(ConfigurationError, match="AsyncCheckpointerType.THREAD"):
+        pickle.dumps(LazyStorageWriter(ckpt))
+
+
+def test_the_snippet_in_the_docs_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = (Path(__file__).parent.parent.parent / "docs" / "integrations.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "LazyStorageWriter" in b]
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, Any] = {}
+    exec(blocks[0], scope)
+    with SyncCheckpointer([FileTier(tmp_path / "checkpoints")]) as ckpt:
+        assert ckpt.steps() == [50, 100]
+        saved = ckpt.restore(100)
+    assert torch.equal(saved["model"]["weight"], scope["model"].weight)
