@@ -28,18 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import MiB, abab, loadavg, machine_info, scratch_dir, summarize, tree_bytes  # noqa: E402
+from common import MiB, abab, loadavg, machine_info, scratch_dir, summarize, tree_bytes
 
-from lazyckpt import SyncCheckpointer  # noqa: E402
-from lazyckpt.integrations.dcp import LazyStorageWriter  # noqa: E402
-from tiers import FileTier, HostMemoryTier  # noqa: E402
+from lazyckpt import SyncCheckpointer
+from lazyckpt.integrations.dcp import LazyStorageWriter
+from tiers import FileTier, HostMemoryTier
 
 METHODS = ("none", "dcp", "lazyckpt")
 
@@ -177,8 +177,10 @@ def main() -> None:
             "step_stall_s": summarize([r["step_stall_s"] for r in rows]),
             "drain_s": summarize([r["drain_s"] for r in rows]),
         }
-    print("\n| method | loop (s) | cost per checkpoint (s) | async_save call (ms) | "
-          "optimizer steps (s) | drain after loop (s) |")
+    print(
+        "\n| method | loop (s) | cost per checkpoint (s) | async_save call (ms) | "
+        "optimizer steps (s) | drain after loop (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for method in METHODS:
         s = summary[method]

@@ -281,6 +281,7 @@ def test_fsdp2_saved_on_two_ranks_loads_on_one(tmp_path: Path) -> None:
     assert loaded["restored_keys"] == ["model", "optim"]
 
 
+@pytest.mark.slow
 def test_the_dcp_async_save_example_runs() -> None:
     example = Path(__file__).parent.parent.parent / "examples" / "dcp_async_save.py"
     out = subprocess.run(
@@ -295,7 +296,7 @@ def test_the_dcp_async_save_example_runs() -> None:
 
 
 def test_the_process_executor_is_refused_with_a_reason(ckpt: SyncCheckpointer) -> None:
-    with pytest.raises(ConfigurationError, match="AsyncCheckpointerType.THREAD"):
+    with pytest.raises(ConfigurationError, match=r"AsyncCheckpointerType\.THREAD"):
         pickle.dumps(LazyStorageWriter(ckpt))
 
 
@@ -310,3 +311,21 @@ def test_the_snippet_in_the_docs_runs(tmp_path: Path, monkeypatch: pytest.Monkey
         assert ckpt.steps() == [50, 100]
         saved = ckpt.restore(100)
     assert torch.equal(saved["model"]["weight"], scope["model"].weight)
+
+
+@pytest.mark.slow
+def test_the_dcp_benchmark_runs_quick(tmp_path: Path) -> None:
+    bench = Path(__file__).parent.parent.parent / "bench" / "integration_dcp.py"
+    result = tmp_path / "result.json"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--tmp", str(tmp_path), "--out", str(result)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads(result.read_text())["summary"]
+    assert sorted(summary) == ["dcp", "lazyckpt", "none"]
+    for method in ("dcp", "lazyckpt"):
+        assert summary[method]["async_save_call_s"]["median"] > 0
+    assert "| lazyckpt |" in out.stdout
