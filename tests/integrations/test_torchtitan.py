@@ -5,6 +5,7 @@ itself needs an accelerator in torchtitan 0.3, so the loop below plays its part.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,11 @@ from lazyckpt import ConfigurationError, SnapshotFailedError, SyncCheckpointer
 from lazyckpt.integrations.torchtitan import LazyCheckpointManager
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from ranks import launch_ranks, rank_results
+
+WORKER = Path(__file__).parent / "torchtitan_worker.py"
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:'set_vital' is deprecated:UserWarning",  # torchdata's, at every dataloader
@@ -214,3 +220,21 @@ def test_disabled_and_unsupported_settings(tmp_path: Path) -> None:
     assert not off.checkpointer.load()
     with pytest.raises(ConfigurationError, match="safetensors"):
         Run(tmp_path, last_save_in_hf=True)
+
+
+@pytest.mark.slow
+def test_fsdp2_saved_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    launch_ranks(WORKER, ["save", str(tmp_path), str(out)], 2, timeout=150)
+    saved = rank_results(out)
+    assert sorted(saved) == [0, 1]
+    assert all(r["steps"] == [2, 4] for r in saved.values())
+    for path in out.glob("rank*.json"):
+        path.unlink()
+    launch_ranks(WORKER, ["load", str(tmp_path), str(out)], 1, timeout=150)
+    loaded = rank_results(out)[0]
+    assert loaded["loaded"]
+    assert loaded["differ"] == []  # model and optimizer, gathered, bit for bit
+    assert loaded["step"] == 4
+    assert loaded["lr_epoch"] == 4
