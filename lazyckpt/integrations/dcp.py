@@ -176,7 +176,8 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
 
     def __init__(self, checkpointer: AnyCheckpointer, *, step: int | None = None) -> None:
         self._core = _core_of(checkpointer)
-        self._step = None if step is None else _step_of(step)
+        self._fixed_step = None if step is None else _step_of(step)
+        self._step: int | None = None  # this save's, from its checkpoint_id
         self._handle: SnapshotHandle | None = None
 
     def __reduce__(self) -> Any:
@@ -198,7 +199,7 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: StateDict) -> concurrent.futures.Future[StateDict]:
         """Take the lazyckpt snapshot of ``state_dict`` (no copy) and return a future that
         resolves to it once the capture is done (DCP's ``staging_completion``)."""
-        step = self._step
+        step = self._fixed_step
         if step is None:
             found = _async_save_checkpoint_id()
             if found is None:
@@ -246,8 +247,11 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
 
     def storage_meta(self) -> StorageMeta | None:
         """The step, as DCP's checkpoint id."""
-        step = self._handle.step if self._handle is not None else self._step
+        step = self._handle.step if self._handle is not None else self._save_step()
         return None if step is None else StorageMeta(checkpoint_id=str(step))
+
+    def _save_step(self) -> int | None:
+        return self._step if self._step is not None else self._fixed_step
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """The plan as DCP made it: lazyckpt lays out its own shards."""
@@ -261,12 +265,13 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
         """Complete when the step is committed on the last tier. The bytes are lazyckpt's:
         ``planner.resolve_data`` is never called, so DCP never copies or pickles them."""
         handle, self._handle = self._handle, None
+        step, self._step = self._save_step(), None  # a reused writer starts afresh
         if handle is None:  # dcp.save: no stage(), the snapshot is taken here
-            if self._step is None:
+            if step is None:
                 raise ConfigurationError(
                     "dcp.save with LazyStorageWriter needs the step: pass checkpoint_id=step"
                 )
-            handle = self._core.snapshot(_planner_state(planner), self._step)
+            handle = self._core.snapshot(_planner_state(planner), step)
         results = [WriteResult(i.index, _item_bytes(i), handle.step) for i in plan.items]
         written: Future[list[WriteResult]] = Future()
         if handle.skipped:
@@ -334,7 +339,8 @@ class LazyStorageReader(StorageReader):
 
     def __init__(self, checkpointer: AnyCheckpointer, *, step: int | None = None) -> None:
         self._core = _core_of(checkpointer)
-        self._step = None if step is None else _step_of(step)
+        self._fixed_step = None if step is None else _step_of(step)
+        self._step: int | None = None  # this load's, from its checkpoint_id
         self._manifest: Manifest | None = None
 
     @classmethod
@@ -345,8 +351,7 @@ class LazyStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         """Start a load; ``checkpoint_id`` (if given) is its step."""
         self._manifest = None
-        if checkpoint_id is not None:
-            self._step = _step_of(checkpoint_id)
+        self._step = None if checkpoint_id is None else _step_of(checkpoint_id)
 
     def _run(self, coro: Any) -> Any:
         core = self._core
@@ -357,7 +362,7 @@ class LazyStorageReader(StorageReader):
 
     async def _read_manifest(self) -> Manifest:
         core = self._core
-        step = self._step
+        step = self._step if self._step is not None else self._fixed_step
         if step is None:
             steps = await core.steps_on_engine()
             if not steps:
@@ -411,28 +416,31 @@ class LazyStorageReader(StorageReader):
         manifest = self._manifest
         if manifest is None:
             raise ConfigurationError("read_data() before read_metadata(): use dcp.load")
-        core = self._core
-        core.wait_captured_blocking()  # a capture in flight may still be reading its tensors
-        allow_pickle = core.options.allow_pickle
-        full = _skeleton(manifest, "cpu", allow_pickle)
-        self._run(core.restore_on_engine(manifest.step, full, None))
-        flat, _ = flatten_state_dict(full)
-        for item in plan.items:
-            value = flat[item.storage_index.fqn]
-            if item.type == LoadItemType.BYTE_IO:
-                buffer = io.BytesIO()
-                torch.save(value, buffer)  # made here from the decoded value, not read
-                buffer.seek(0)
-                planner.load_bytes(item, buffer)
-                continue
-            region = value
-            for dim, (start, length) in enumerate(
-                zip(item.storage_offsets, item.lengths, strict=True)
-            ):
-                region = region.narrow(dim, start, length)
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(region)
-            planner.commit_tensor(item, target)
+        try:
+            core = self._core
+            core.wait_captured_blocking()  # a capture in flight may still be reading its tensors
+            allow_pickle = core.options.allow_pickle
+            full = _skeleton(manifest, "cpu", allow_pickle)
+            self._run(core.restore_on_engine(manifest.step, full, None))
+            flat, _ = flatten_state_dict(full)
+            for item in plan.items:
+                value = flat[item.storage_index.fqn]
+                if item.type == LoadItemType.BYTE_IO:
+                    buffer = io.BytesIO()
+                    torch.save(value, buffer)  # made here from the decoded value, not read
+                    buffer.seek(0)
+                    planner.load_bytes(item, buffer)
+                    continue
+                region = value
+                for dim, (start, length) in enumerate(
+                    zip(item.storage_offsets, item.lengths, strict=True)
+                ):
+                    region = region.narrow(dim, start, length)
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(region)
+                planner.commit_tensor(item, target)
+        finally:
+            self._step = self._manifest = None  # a reused reader starts afresh
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -329,3 +329,20 @@ def test_the_dcp_benchmark_runs_quick(tmp_path: Path) -> None:
     for method in ("dcp", "lazyckpt"):
         assert summary[method]["async_save_call_s"]["median"] > 0
     assert "| lazyckpt |" in out.stdout
+
+
+def test_one_writer_and_one_reader_serve_many_saves_and_loads(ckpt: SyncCheckpointer) -> None:
+    writer, reader = LazyStorageWriter(ckpt), LazyStorageReader(ckpt)
+    for step in (1, 2):
+        response = async_save(
+            {"w": torch.full((4,), float(step))}, checkpoint_id=str(step), storage_writer=writer
+        )
+        assert isinstance(response, AsyncSaveResponse)
+        response.upload_completion.result(timeout=30)
+    save({"w": torch.full((4,), 3.0)}, checkpoint_id="3", storage_writer=writer)
+    assert ckpt.steps() == [1, 2, 3]
+    state = {"w": torch.zeros(4)}
+    load(state, checkpoint_id="1", storage_reader=reader)
+    assert torch.equal(state["w"], torch.full((4,), 1.0))
+    load(state, storage_reader=reader)  # no id this time: the latest, not the last one asked
+    assert torch.equal(state["w"], torch.full((4,), 3.0))
