@@ -46,6 +46,7 @@ import io
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,8 +136,8 @@ def _chain(
     source: concurrent.futures.Future[None],
     handle: SnapshotHandle,
     stage: str,
-    on_ok: Any,
-    on_error: Any,
+    on_ok: Callable[[], object],
+    on_error: Callable[[BaseException], object],
 ) -> None:
     """Call ``on_ok()`` or ``on_error(exc)`` when ``source`` (the handle's ``stage``) ends.
     The outcome is read through ``handle.wait`` so a failure counts as reported to the
@@ -274,18 +275,22 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
             handle = self._core.snapshot(_planner_state(planner), step)
         results = [WriteResult(i.index, _item_bytes(i), handle.step) for i in plan.items]
         written: Future[list[WriteResult]] = Future()
+
+        def fail(exc: BaseException) -> None:
+            written.set_exception(exc)  # type: ignore[arg-type]  # torch's stub says T
+
         if handle.skipped:
             try:
                 handle.wait("committed", timeout=0)  # raises SnapshotSkippedError
             except Exception as exc:  # becomes the save's outcome
-                written.set_exception(exc)  # type: ignore[arg-type]  # torch's stub is wrong
+                fail(exc)
             return written
         _chain(
             handle._future("committed"),
             handle,
             "committed",
             lambda: written.set_result(results),
-            written.set_exception,
+            fail,
         )
         return written
 
