@@ -29,17 +29,23 @@ from typing import Any, Literal
 
 import torch
 import torch.nn as nn
-from torchtitan.components.checkpointer.base import (
-    DATALOADER,
-    LR_SCHEDULER,
-    MODEL,
-    OPTIMIZER,
-    BaseCheckpointManager,
-    ModelWrapper,
-)
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.tools import filesystem
-from torchtitan.tools.logging import logger
+
+try:
+    from torchtitan.components.checkpointer.base import (
+        DATALOADER,
+        LR_SCHEDULER,
+        MODEL,
+        OPTIMIZER,
+        BaseCheckpointManager,
+        ModelWrapper,
+    )
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.tools import filesystem
+    from torchtitan.tools.logging import logger
+except ImportError as exc:  # pragma: no cover - only without the extra
+    raise ImportError(
+        "lazyckpt.integrations.torchtitan needs torchtitan 0.3: pip install 'lazyckpt[torchtitan]'"
+    ) from exc
 
 from .._checkpointer import SnapshotHandle, SyncCheckpointer
 from .._errors import ConfigurationError, SnapshotFailedError
