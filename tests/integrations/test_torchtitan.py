@@ -238,3 +238,13 @@ def test_fsdp2_saved_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     assert loaded["differ"] == []  # model and optimizer, gathered, bit for bit
     assert loaded["step"] == 4
     assert loaded["lr_epoch"] == 4
+
+
+def test_the_config_serializes_as_torchtitan_logs_it() -> None:
+    config = LazyCheckpointManager.Config(enable=True, interval=500, host_bytes=8 << 30)
+    as_dict = config.to_dict()
+    assert as_dict["host_bytes"] == 8 << 30
+    assert as_dict["when_busy"] == "wait"
+    assert as_dict["interval"] == 500
+    with pytest.raises(ValueError, match="keep_latest_k"):  # torchtitan's own validation
+        LazyCheckpointManager.Config(keep_latest_k=1)
