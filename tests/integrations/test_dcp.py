@@ -4,12 +4,12 @@ on 1."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
 import re
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,11 +52,10 @@ pytestmark = pytest.mark.filterwarnings(
 def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for i in range(2):
+    for _ in range(2):
         model(torch.randn(8, 16)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        del i
     return model, opt
 
 
@@ -255,9 +254,7 @@ async def test_works_with_the_async_checkpointer(tmp_path: Path) -> None:
         state = {"w": torch.arange(10.0)}
         response = lazy_async_save(state, 1, ckpt)
         await ckpt.wait_captured()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            response.upload_completion.result(timeout=30)
+        await asyncio.wrap_future(response.upload_completion)  # never block the loop
         assert await ckpt.steps() == [1]
 
 
