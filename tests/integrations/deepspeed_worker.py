@@ -35,7 +35,10 @@ from tiers import FileTier, HostMemoryTier  # noqa: E402
 
 CONFIG = {
     "train_batch_size": 4,
-    "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+    # torch's Adam: DeepSpeed's CPU FusedAdam keeps its bias correction in process-global
+    # state, which a resumed run does not reproduce bit for bit with any checkpoint engine
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
     "zero_optimization": {"stage": 1},
     "steps_per_print": 1 << 30,
 }
