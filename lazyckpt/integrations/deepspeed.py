@@ -24,6 +24,9 @@ How one ``engine.save_checkpoint(save_dir, tag)`` flows through it:
    the last tier, then writes at each file's path a small JSON *pointer* (step, tag, key),
    fsync'd, so DeepSpeed's own checks on its directory (``glob``, ``os.path.exists``) still
    hold. Only then does DeepSpeed write ``latest``: it never names a tag that is not durable.
+   With ``wait="captured"`` the commit waits only for the capture (what the optimizer step
+   needs), keeps DeepSpeed from writing ``latest``, and a thread of this engine writes the
+   pointers and ``latest`` once the step is durable: training never waits for storage.
 5. ``load(path)`` reads the pointer and restores the file's state from the fastest tier that
    holds the step; a file that is not a pointer (a checkpoint saved by DeepSpeed's default
    engine) is read with ``torch.load``.
@@ -36,13 +39,14 @@ from writing ``latest`` (its decoupled path reads the flag after ``commit`` retu
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -93,15 +97,30 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
     Args:
         tiers: the lazyckpt tier chain, fastest first (``HostMemoryTier``, ``FileTier``,
             ``ZarrTier``).
+        wait: what DeepSpeed's commit (in the ``step()`` after a checkpoint, before the
+            optimizer step) waits for. ``"durable"`` (default): the step committed on the last
+            tier; DeepSpeed then writes ``latest``, as with its other engines. ``"captured"``:
+            only the capture; ``latest`` (and the pointer files) are written by this engine
+            when the step is durable, later, and a checkpoint that fails on a tier after its
+            capture is only logged (``latest`` keeps naming the last durable tag).
         **options: :class:`~lazyckpt.SyncCheckpointer` options. ``allow_pickle`` defaults
             to True here: DeepSpeed's files hold objects (its loss scaler, enums, named
             tuples) that only pickle can store, as its own ``torch.load(weights_only=False)``
             does; pass False if every reader must be kept from running checkpoint code.
     """
 
-    def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        wait: Literal["durable", "captured"] = "durable",
+        **options: Any,
+    ) -> None:
         super().__init__(None)
+        if wait not in ("durable", "captured"):
+            raise ConfigurationError(f'wait must be "durable" or "captured", got {wait!r}')
         self.name = "LazyCheckpointEngine"
+        self.wait = wait
         options.setdefault("allow_pickle", True)
         self._ckpt = SyncCheckpointer(tiers, **options)
         self._lock = threading.RLock()
@@ -110,6 +129,9 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._loaded: tuple[int, dict[str, Any]] | None = None  # a restored step's files
         self._closed = False
+        # wait="captured": publishes (pointers, then latest) in commit order, off the loop
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._published: list[concurrent.futures.Future[None]] = []
 
     @property
     def checkpointer(self) -> SyncCheckpointer:
@@ -170,6 +192,7 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
                 (deleted by retention, or the tiers are not the ones it was saved to).
             CorruptionError: the pointer is damaged or names a step of another tag.
         """
+        self._drain_publications()
         pointer = _read_pointer(path)
         if pointer is None:
             return torch.load(path, map_location=map_location, weights_only=False)
@@ -207,9 +230,9 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make the tag durable: wait until its step is committed on the last tier, then
-        write the pointer files. Returns False (and clears ``info.save_latest``, so that
-        DeepSpeed leaves ``latest`` alone) when the checkpoint failed; never raises for a
-        failed checkpoint."""
+        write the pointer files (``wait="captured"``: wait for the capture only, and publish
+        later). Returns False (and clears ``info.save_latest``, so that DeepSpeed leaves
+        ``latest`` alone) when the checkpoint failed; never raises for a failed checkpoint."""
         with self._lock:
             group = self._group
             if group is None or group.info.tag != info.tag or group.info.save_dir != info.save_dir:
@@ -222,8 +245,8 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
                 info.save_latest = False
                 return False
             ok = self._finish(group)
-            if not ok:
-                info.save_latest = False
+            if not ok or self.wait == "captured":
+                info.save_latest = False  # the publisher writes it once durable
             return ok
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
@@ -251,12 +274,24 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
                 return
             self.commit_pending()
             self._closed = True
+            self._drain_publications()
+            if self._publisher is not None:
+                self._publisher.shutdown(wait=True)
             try:
                 self._ckpt.close()
             except LazyCkptError as exc:
                 log.error("closing lazyckpt's checkpointer: %s", exc)
 
     # -- beyond DeepSpeed's interface ------------------------------------------------------
+
+    def open(self) -> LazyCheckpointEngine:
+        """Open the tiers now instead of at the first checkpoint: allocate and pre-fault the
+        host arena, clean up what a crash left, find the newest step. With several ranks,
+        every rank calls it together. Returns the engine."""
+        with self._lock:
+            self._check_open()
+            self._open()
+        return self
 
     def commit_pending(self) -> bool:
         """Commit the tag saved last if DeepSpeed has not yet (it does at the next
@@ -271,7 +306,7 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
             if group is None:
                 return True
             ok = self._finish(group)
-            if ok and group.info.save_latest and _rank() == 0:
+            if ok and group.info.save_latest and self.wait == "durable" and _rank() == 0:
                 try:
                     _write_durably(os.path.join(group.info.save_dir, "latest"), group.info.tag.encode())
                 except OSError as exc:
@@ -322,7 +357,8 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
             self._next_step += 1
 
     def _finish(self, group: _Group) -> bool:
-        """Seal, wait for the durable commit, write the pointers; True if all went well."""
+        """Seal, wait for the durable commit, write the pointers; True if all went well.
+        With ``wait="captured"``: wait for the capture and hand the rest to the publisher."""
         self._seal()
         self._group = None
         tag = group.info.tag
@@ -335,10 +371,44 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
             log.warning("checkpoint %r skipped: lazyckpt was still busy (when_busy='skip')", tag)
             return False
         try:
-            handle.wait("committed")
+            handle.wait("captured" if self.wait == "captured" else "committed")
         except LazyCkptError as exc:
             log.error("checkpoint %r (lazyckpt step %d) failed: %s", tag, group.step, exc)
             return False
+        if self.wait == "captured":
+            if self._publisher is None:
+                self._publisher = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="lazyckpt-deepspeed-publish"
+                )
+            self._published = [f for f in self._published if not f.done()]
+            # saved now: DeepSpeed reads and clears the flag when commit() returns
+            latest = group.info.save_latest
+            self._published.append(self._publisher.submit(self._publish, group, latest))
+            return True
+        return self._write_pointers(group)
+
+    def _publish(self, group: _Group, latest: bool) -> None:
+        """Publisher thread: once the step is durable, its pointers, then ``latest``."""
+        assert group.handle is not None
+        tag = group.info.tag
+        try:
+            group.handle.wait("committed")
+        except LazyCkptError as exc:
+            log.error("checkpoint %r (lazyckpt step %s) failed: %s", tag, group.step, exc)
+            return
+        if self._write_pointers(group) and latest and _rank() == 0:
+            try:
+                _write_durably(os.path.join(group.info.save_dir, "latest"), tag.encode())
+            except OSError as exc:
+                log.error("checkpoint %r: could not write 'latest': %s", tag, exc)
+
+    def _drain_publications(self) -> None:
+        """Wait until every durable-later checkpoint is published (or has failed)."""
+        pending, self._published = self._published, []
+        concurrent.futures.wait(pending)
+
+    def _write_pointers(self, group: _Group) -> bool:
+        tag = group.info.tag
         try:
             for key, path in group.paths.items():
                 pointer = {

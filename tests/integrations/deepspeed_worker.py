@@ -194,8 +194,32 @@ def durable(root: Path) -> dict[str, Any]:
     return out
 
 
+def captured(root: Path) -> dict[str, Any]:
+    """wait="captured": step() does not wait for the held durable tier; latest moves later."""
+    save_dir = root / "ds"
+    slow = FaultyTier(FileTier(root / "tiers"))
+    engine = make_engine(seed=0)
+    ckpt = LazyCheckpointEngine([HostMemoryTier(8 << 20), slow], wait="captured")
+    engine.checkpoint_engine = ckpt
+    out: dict[str, Any] = {}
+    train(engine, range(2))
+    slow.hang("commit")
+    engine.save_checkpoint(str(save_dir), tag="a")
+    t0 = time.perf_counter()
+    train(engine, range(2, 4))  # the first step() commits "a": captured, not yet durable
+    out["steps_returned_s"] = time.perf_counter() - t0
+    out["held_latest"] = latest(save_dir)
+    slow.heal()
+    deadline = time.monotonic() + 60
+    while latest(save_dir) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["latest_a"] = latest(save_dir)
+    engine.destroy()
+    return out
+
+
 if __name__ == "__main__":
     scenario, root = sys.argv[1], Path(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
-    result = {"resume": resume, "durable": durable}[scenario](root)
+    result = {"resume": resume, "durable": durable, "captured": captured}[scenario](root)
     print("RESULT " + json.dumps(result))

@@ -123,6 +123,40 @@ def test_a_failed_checkpoint_returns_false_and_keeps_latest(
     eng.cleanup()
 
 
+def test_wait_captured_publishes_latest_once_durable(tmp_path: Path) -> None:
+    slow = FaultyTier(FileTier(tmp_path / "tiers"))
+    eng = engine_on(tmp_path, slow, wait="captured")
+    slow.hang("commit")
+    info = save_tag(eng, tmp_path / "ds", "t", {"model.pt": {"w": torch.ones(8)}})
+    assert eng.commit(info) is True  # captured: the optimizer step may go on
+    assert info.save_latest is False  # DeepSpeed must not write latest: the engine will
+    assert not (tmp_path / "ds" / "t" / "model.pt").exists()
+    assert not (tmp_path / "ds" / "latest").exists()
+    slow.heal()
+    eng.cleanup()  # waits for the publication
+    assert (tmp_path / "ds" / "latest").read_text() == "t"
+    assert json.loads((tmp_path / "ds" / "t" / "model.pt").read_text())["step"] == 0
+
+
+def test_wait_captured_failure_keeps_latest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    slow = FaultyTier(FileTier(tmp_path / "tiers"))
+    eng = engine_on(tmp_path, slow, wait="captured", retries=0)
+    info = save_tag(eng, tmp_path / "ds", "t", {"model.pt": {"w": torch.ones(8)}})
+    assert eng.commit(info)
+    slow.break_("put_shard")
+    info = save_tag(eng, tmp_path / "ds", "u", {"model.pt": {"w": torch.ones(8)}})
+    with caplog.at_level(logging.ERROR, logger="lazyckpt.deepspeed"):
+        assert eng.commit(info) is True  # captured fine; the tier fails later
+        eng.cleanup()
+    assert (tmp_path / "ds" / "latest").read_text() == "t"
+    assert "checkpoint 'u'" in caplog.text
+
+
+def test_wait_must_be_known(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="wait must be"):
+        LazyCheckpointEngine([FileTier(tmp_path)], wait="never")  # type: ignore[arg-type]
+
+
 def test_commit_of_another_tag_commits_nothing(tmp_path: Path) -> None:
     eng = engine_on(tmp_path)
     save_tag(eng, tmp_path / "ds", "t", {"model.pt": {"w": torch.ones(8)}})
@@ -205,6 +239,15 @@ def test_deepspeed_latest_never_names_a_non_durable_tag(tmp_path: Path) -> None:
     assert any("checkpoint 'c'" in m and "injected permanent failure" in m for m in r["errors"])
     assert r["latest_d"] == "d"
     assert r["latest_e"] == "e"  # committed by engine.destroy(), latest written for it
+
+
+@pytest.mark.slow
+def test_deepspeed_wait_captured_does_not_hold_the_step(tmp_path: Path) -> None:
+    # the worker heals the tier only after two step()s returned: waiting for durability in
+    # step() would hang it (and fail this test at the worker's timeout)
+    r = run_worker("captured", str(tmp_path))
+    assert r["held_latest"] is None  # not durable yet: no latest
+    assert r["latest_a"] == "a"
 
 
 @pytest.mark.slow
