@@ -36,9 +36,10 @@ from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # OpenMP's worker threads spin while they wait; on a machine with more runnable threads than
-# cores that spinning made plain DeepSpeed iterations 15x slower, and it stops (libgomp
-# throttles it) as soon as some other thread team exists, such as the one lazyckpt's capture
-# threads bring. Passive waiting puts both engines under the same policy.
+# cores that spinning made plain DeepSpeed iterations 15x slower, and the slowdown went away
+# whenever a lazyckpt checkpointer was open in the process (presumably libgomp throttling its
+# spinning once more threads than cores run torch operations). Passive waiting puts every
+# engine under the same policy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 if "MASTER_PORT" not in os.environ:
@@ -158,10 +159,11 @@ def main() -> None:
                 results[kind].append(run_loop(kind, args, root))
             print(f"round {r} {kind}: done", file=sys.stderr)
     params = sum(p.numel() for p in make_engine(args.width, args.layers).module.parameters())
-    summary = {}
+    summary: dict[str, dict[str, Any]] = {}
     for kind, runs in results.items():
         pool = {key: [x for run in runs for x in run[key]] for key in ("save_s", "commit_s", "cost_s")}
         summary[kind] = {key: statistics.median(v) for key, v in pool.items()}
+        summary[kind]["cost_iqr_s"] = statistics.quantiles(pool["cost_s"], n=4)[::2]
         summary[kind]["plain_iter_s"] = statistics.median(run["plain_iter_s"] for run in runs)
     ckpt_bytes = next(run["ckpt_bytes"] for run in results["torch"])
     doc = {
@@ -176,7 +178,7 @@ def main() -> None:
         "runs": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"deepspeed-{doc['machine']['slug']}"
+    stem = f"deepspeed-{doc['machine']['slug']}-{time.strftime('%Y-%m-%d')}"
     (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     lines = [
         f"DeepSpeed {deepspeed.__version__}, ZeRO-1 on CPU, {params / 1e6:.1f} M parameters, "
@@ -184,14 +186,15 @@ def main() -> None:
         f"{args.rounds} rounds x {args.checkpoints} checkpoints, medians; "
         f"load average {loadavg()} on {doc['machine']['cpus']} CPUs",
         "",
-        "| engine | plain iteration | in save_checkpoint | extra in next step() | cost per checkpoint |",
-        "|---|---|---|---|---|",
+        "| engine | plain iteration | in save_checkpoint | extra in next step() | cost per checkpoint | (p25 to p75) |",
+        "|---|---|---|---|---|---|",
     ]
     for kind in ENGINES:
         s = summary[kind]
         lines.append(
             f"| {kind} | {1e3 * s['plain_iter_s']:.1f} ms | {1e3 * s['save_s']:.1f} ms | "
-            f"{1e3 * s['commit_s']:.1f} ms | {1e3 * s['cost_s']:.1f} ms |"
+            f"{1e3 * s['commit_s']:.1f} ms | {1e3 * s['cost_s']:.1f} ms | "
+            f"{1e3 * s['cost_iqr_s'][0]:.0f} to {1e3 * s['cost_iqr_s'][1]:.0f} ms |"
         )
     lines.append("")
     for lazy in ("lazyckpt", "lazyckpt-captured"):
