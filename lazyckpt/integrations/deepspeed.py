@@ -61,6 +61,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .._checkpointer import SnapshotHandle, SyncCheckpointer
+from .._dtensor import SupportsRankManifests
 from .._errors import ConfigurationError, CorruptionError, LazyCkptError, SnapshotNotFoundError
 from .._tier import Tier
 
@@ -127,7 +128,7 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
         self._group: _Group | None = None
         self._next_step: int | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
-        self._loaded: tuple[int, dict[str, Any]] | None = None  # a restored step's files
+        self._loaded: tuple[int, int, dict[str, Any]] | None = None  # (step, rank, files)
         self._closed = False
         # wait="captured": publishes (pointers, then latest) in commit order, off the loop
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
@@ -196,16 +197,19 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
         pointer = _read_pointer(path)
         if pointer is None:
             return torch.load(path, map_location=map_location, weights_only=False)
-        step, tag, key = pointer
+        step, tag, key, writer = pointer
         with self._lock:
             self._check_open()
             self.commit_pending()
             self._open()
             cached = self._loaded
-            if cached is None or cached[0] != step or key not in cached[1]:
+            if cached is None or cached[:2] != (step, writer) or key not in cached[2]:
                 device = map_location if isinstance(map_location, str | torch.device) else None
                 try:
-                    state = self._ckpt.restore(step, map_location=device)
+                    if writer == _rank():
+                        state = self._ckpt.restore(step, map_location=device)
+                    else:  # DeepSpeed has every rank read rank 0's model states
+                        state = self._restore_rank(step, writer, device)
                 except SnapshotNotFoundError as exc:
                     raise SnapshotNotFoundError(
                         f"{path} points at lazyckpt step {step} (tag {tag!r}), which no tier "
@@ -218,15 +222,15 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
                         f"{path} points at lazyckpt step {step} for tag {tag!r}, but that step "
                         f"holds tag {found!r}: the pointer and the tiers do not belong together"
                     )
-                cached = self._loaded = (step, dict(state["files"]))
-            if key not in cached[1]:
+                cached = self._loaded = (step, writer, dict(state["files"]))
+            if key not in cached[2]:
                 raise CorruptionError(
-                    f"{path}: lazyckpt step {step} (tag {tag!r}) has no file {key!r} on this "
-                    f"rank (it has {sorted(cached[1])}); each rank restores the files it saved"
+                    f"{path}: lazyckpt step {step} (tag {tag!r}) of rank {writer} has no file "
+                    f"{key!r} (it has {sorted(cached[2])})"
                 )
             # handed out once: a second load of the same file restores again, so two callers
             # never share (and mutate) the same tensors
-            return cached[1].pop(key)
+            return cached[2].pop(key)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make the tag durable: wait until its step is committed on the last tier, then
@@ -328,6 +332,32 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
             steps = self._ckpt.steps()
             self._next_step = steps[-1] + 1 if steps else 0
 
+    def _restore_rank(self, step: int, rank: int, device: torch.device | str | None) -> Any:
+        """Rank ``rank``'s part of ``step``, from a tier that every rank reads (a shared
+        ``FileTier`` or ``ZarrTier``)."""
+        # lazyckpt's restore() reads the calling rank's own part; another rank's part is read
+        # with the same pieces it uses for resharding
+        from .._dtensor import _read_rank_manifest, _readers
+        from .._restore import restore_state
+
+        core = self._ckpt._core
+
+        async def read() -> Any:
+            readers = await _readers(core.engine.tiers, step)
+            if not readers:
+                shared = [t.name for t in core.engine.tiers if isinstance(t, SupportsRankManifests)]
+                raise SnapshotNotFoundError(
+                    f"step {step} of rank {rank} is on no tier this rank can read "
+                    f"(tiers that read other ranks' parts: {shared or 'none'})"
+                )
+            manifest = await _read_rank_manifest(readers, step, rank)
+            return await restore_state(
+                manifest, readers, into=None, map_location=device,
+                allow_pickle=core.options.allow_pickle,
+            )
+
+        return core.engine.loop.submit(read()).result()
+
     def _on_forward(self, _module: torch.nn.Module, _args: Any) -> None:
         self._seal()
 
@@ -359,6 +389,14 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
     def _finish(self, group: _Group) -> bool:
         """Seal, wait for the durable commit, write the pointers; True if all went well.
         With ``wait="captured"``: wait for the capture and hand the rest to the publisher."""
+        ok = self._finish_here(group)
+        if self.wait == "durable":
+            # with several ranks, every rank reaches this once per tag, whatever happened:
+            # rank 0 lets 'latest' move only once every rank's pointers are down
+            ok = _agree(ok)
+        return ok
+
+    def _finish_here(self, group: _Group) -> bool:
         self._seal()
         self._group = None
         tag = group.info.tag
@@ -417,6 +455,7 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
                     "step": group.step,
                     "tag": tag,
                     "key": key,
+                    "rank": _rank(),
                 }
                 _write_durably(path, json.dumps(pointer).encode())
         except OSError as exc:
@@ -428,6 +467,18 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _agree(ok: bool) -> bool:
+    """True on every rank if ``ok`` on every rank. A collective on the trainer's group, on
+    the training thread, at a point every rank reaches (DeepSpeed barriers there next)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _write_durably(path: str, data: bytes) -> None:
@@ -451,8 +502,8 @@ def _write_durably(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def _read_pointer(path: str) -> tuple[int, str, str] | None:
-    """(step, tag, key) if ``path`` is a pointer file; None if it is anything else (a torch
+def _read_pointer(path: str) -> tuple[int, str, str, int] | None:
+    """(step, tag, key, rank that wrote it) if ``path`` is a pointer file; None if it is anything else (a torch
     file starts with a zip or pickle header, never with ``{``)."""
     with open(path, "rb") as f:
         if f.read(1) != b"{":
@@ -464,12 +515,14 @@ def _read_pointer(path: str) -> tuple[int, str, str] | None:
             raise ValueError(f"format {doc['format']!r}")
         if doc["version"] != _POINTER_VERSION:
             raise ValueError(f"version {doc['version']!r}, this lazyckpt reads {_POINTER_VERSION}")
-        step, tag, key = doc["step"], doc["tag"], doc["key"]
-        if type(step) is not int or not isinstance(tag, str) or not isinstance(key, str):
-            raise ValueError("step, tag or key of the wrong type")
+        step, tag, key, rank = doc["step"], doc["tag"], doc["key"], doc["rank"]
+        if type(step) is not int or type(rank) is not int:
+            raise ValueError("step or rank is not an integer")
+        if not isinstance(tag, str) or not isinstance(key, str):
+            raise ValueError("tag or key is not a string")
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptionError(
             f"{path} is neither a torch checkpoint nor a valid lazyckpt pointer ({exc}); "
             "restore it from a copy, or load another tag"
         ) from exc
-    return step, tag, key
+    return step, tag, key, rank

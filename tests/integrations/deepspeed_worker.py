@@ -22,8 +22,9 @@ if "MASTER_PORT" not in os.environ:
     with socket.socket() as _s:
         _s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(_s.getsockname()[1])
-for _k, _v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+for _k, _v in (("RANK", "0"), ("WORLD_SIZE", "1")):
     os.environ.setdefault(_k, _v)
+os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # the ranks share one machine
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
@@ -54,7 +55,8 @@ def make_engine(seed: int) -> Any:
 
 
 def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + i)
+    # each rank its own data (ZeRO-1 averages the ranks' gradients)
+    g = torch.Generator().manual_seed(100 + i + 1000 * int(os.environ["RANK"]))
     return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
 
@@ -218,8 +220,37 @@ def captured(root: Path) -> dict[str, Any]:
     return out
 
 
+def ranks(root: Path) -> dict[str, Any]:
+    """Two ranks: save through lazyckpt (a shared file tier), go on; a fresh engine on each
+    rank loads (rank 1 reads rank 0's model states) and trains the same steps."""
+    save_dir = root / "ds"
+    engine = make_engine(seed=0)
+    engine.checkpoint_engine = LazyCheckpointEngine([HostMemoryTier(8 << 20), FileTier(root / "tiers")])
+    train(engine, range(3))
+    engine.save_checkpoint(str(save_dir), tag="t3")
+    continued = train(engine, range(3, 6))
+    steps = engine.checkpoint_engine.checkpointer.steps()
+    engine.destroy()
+    fresh = make_engine(seed=1)
+    fresh.checkpoint_engine = LazyCheckpointEngine([HostMemoryTier(8 << 20), FileTier(root / "tiers")])
+    path, _ = fresh.load_checkpoint(str(save_dir))
+    resumed = train(fresh, range(3, 6))
+    fresh.destroy()
+    return {
+        "rank": int(os.environ["RANK"]),
+        "loaded_path": path,
+        "continued": continued,
+        "resumed": resumed,
+        "steps": steps,
+        "latest": latest(save_dir),
+        "files": sorted(p.name for p in (save_dir / "t3").iterdir()),
+    }
+
+
 if __name__ == "__main__":
     scenario, root = sys.argv[1], Path(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
-    result = {"resume": resume, "durable": durable, "captured": captured}[scenario](root)
+    result = {"resume": resume, "durable": durable, "captured": captured, "ranks": ranks}[scenario](root)
     print("RESULT " + json.dumps(result))
+    if scenario == "ranks":
+        (root / f"rank{result['rank']}.json").write_text(json.dumps(result))

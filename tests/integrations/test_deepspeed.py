@@ -72,7 +72,7 @@ def test_save_commit_load_by_hand(tmp_path: Path) -> None:
     pointer = json.loads((tmp_path / "ds" / "global_step3" / "model.pt").read_text())
     assert pointer == {
         "format": POINTER_FORMAT, "version": 1, "step": 0, "tag": "global_step3",
-        "key": "global_step3/model.pt",
+        "key": "global_step3/model.pt", "rank": 0,
     }
     got = eng.load(str(tmp_path / "ds" / "global_step3" / "model.pt"), map_location="cpu")
     assert torch.equal(got["module"]["w"], w) and got["module"]["w"] is not w
@@ -248,6 +248,27 @@ def test_deepspeed_wait_captured_does_not_hold_the_step(tmp_path: Path) -> None:
     r = run_worker("captured", str(tmp_path))
     assert r["held_latest"] is None  # not durable yet: no latest
     assert r["latest_a"] == "a"
+
+
+@pytest.mark.slow
+def test_deepspeed_two_ranks_resume_bit_identical(tmp_path: Path) -> None:
+    """ZeRO-1 on 2 gloo ranks: each rank saves its optimizer file, rank 0 the model states;
+    on resume every rank reads rank 0's model states (from the shared file tier)."""
+    sys.path.insert(0, str(HERE.parent))
+    from ranks import launch_ranks, rank_results
+
+    launch_ranks(HERE / "deepspeed_worker.py", ["ranks", str(tmp_path)], 2, timeout=170)
+    results = rank_results(tmp_path)
+    assert sorted(results) == [0, 1]
+    for r in results.values():
+        assert r["resumed"] == r["continued"]
+        assert r["steps"] == [0] and r["latest"] == "t3"
+        assert r["loaded_path"].endswith("t3/mp_rank_00_model_states.pt")
+    assert results[0]["files"] == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
 
 
 @pytest.mark.slow
