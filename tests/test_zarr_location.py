@@ -244,3 +244,79 @@ def test_cli_reads_create_nothing(
     assert main(["ls", "s3://no-such-bucket-here/run"]) == EXIT_NOT_FOUND
     buckets = {b["Name"] for b in s3.server.client().list_buckets()["Buckets"]}
     assert "no-such-bucket-here" not in buckets
+
+
+@pytest.mark.parametrize("stalls_at", ["step-000000000005/zarr.json", "zarr.json"])
+async def test_a_writer_that_stalls_past_its_lease_mid_commit_commits_nothing(
+    s3: S3Location, monkeypatch: pytest.MonkeyPatch, stalls_at: str
+) -> None:
+    """The stale writer passed its lease check, then stalled (before the commit record, or
+    between reading and writing the index) while a new writer took over and swept the
+    stale one's uncommitted step: its commit must fail, and no index may list that step."""
+    import obstore
+
+    options = {**s3.server.tier_options(), "lease_seconds": 1.0}
+    first = ZarrTier(s3.url, **options)
+    await first.open()
+    manifest, payloads = build_snapshot(5, state_of(5), shard_size=64 << 10)
+    await first.begin(manifest)
+    for shard, data in zip(manifest.shards, payloads, strict=True):
+        await first.put_shard(manifest, shard, memoryview(data))
+
+    stalled, resume = asyncio.Event(), asyncio.Event()
+    put = obstore.put_async
+    stale_store = first._backend_store
+
+    async def slow_put(store: object, key: str, *args: object, **kwargs: object) -> object:
+        if store is stale_store and key == stalls_at and not resume.is_set():
+            stalled.set()
+            await resume.wait()
+        return await put(store, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(obstore, "put_async", slow_put)
+    commit = asyncio.create_task(first.commit(manifest))
+    await stalled.wait()
+    await asyncio.sleep(1.2)  # the lease runs out while the writer is stalled
+    second = ZarrTier(s3.url, **options)
+    await second.open()  # takes the location over and sweeps step 5, which is uncommitted
+    try:
+        resume.set()
+        with pytest.raises(LocationInUseError):
+            await commit
+        with pytest.raises(LocationInUseError):  # and it stays stopped
+            await write_one(first, 7)
+        assert await second.steps() == []
+        await write_one(second, 6)  # the new writer goes on
+        assert await second.steps() == [6]
+    finally:
+        await second.aclose()
+        await first.aclose()
+    reader = ZarrTier(s3.url, readonly=True, **s3.server.tier_options())
+    await reader.open()
+    try:
+        assert await reader.steps() == [6]
+    finally:
+        await reader.aclose()
+
+
+async def test_a_lost_index_never_lists_a_step_whose_data_is_incomplete(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A delete that crashed part way (the index already updated, some objects gone, the
+    step's commit record still there) and then a lost index: the rebuilt index must not
+    list the step whose data is incomplete."""
+    await write(lambda: ZarrTier(tmp_path), [1, 2, 3])
+    chunks = sorted((tmp_path / "step-000000000002" / "tensors").rglob("c/*/*"))
+    assert chunks
+    chunks[-1].unlink()  # one chunk of step 2 gone, its zarr.json (the record) still there
+    (tmp_path / "zarr.json").unlink()
+    caplog.set_level(logging.WARNING, logger="lazyckpt")
+    writer = ZarrTier(tmp_path)
+    await writer.open()
+    try:
+        assert await writer.steps() == [1, 3]
+    finally:
+        await writer.aclose()
+    assert "step-000000000002" in caplog.text
+    assert (tmp_path / "step-000000000002").is_dir()  # left in place on that open
+    assert await restored_step(ZarrTier(tmp_path, readonly=True)) == 3

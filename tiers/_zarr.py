@@ -871,6 +871,7 @@ class ZarrTier(Tier):
         self._delete_lock = asyncio.Lock()
         self._writer_lock: WriterLock | None = None
         self._lease: tuple[str, str, float] | None = None  # token, ETag, renewed (monotonic)
+        self._leased = False  # this writer took a lease: without one now, it lost it
         self._closed = False
 
     def describe(self) -> dict[str, Any]:
@@ -1019,8 +1020,11 @@ class ZarrTier(Tier):
         raw = await self._get("zarr.json")
         if raw is None:
             return None
+        return self._parse_root(raw.to_bytes())
+
+    def _parse_root(self, raw: bytes) -> dict[str, Any]:
         try:
-            doc = json.loads(raw.to_bytes())
+            doc = json.loads(raw)
             if doc.get("node_type") != "group":
                 raise ValueError("not a group")
         except (ValueError, AttributeError) as exc:
@@ -1043,6 +1047,9 @@ class ZarrTier(Tier):
         return sorted(steps)
 
     async def _update_index(self, add: int | None = None, remove: int | None = None) -> None:
+        if self._leased:
+            await self._update_fenced_index(() if add is None else (add,), remove, claim=False)
+            return
         async with self._index_lock:
             root = await self._read_root()
             if root is None:
@@ -1058,6 +1065,71 @@ class ZarrTier(Tier):
             lazy["committed"] = sorted(steps)
             # The commit point: one atomic object write (an S3 PUT, a rename on a path).
             await self._put("zarr.json", _json(root))
+
+    async def _update_fenced_index(
+        self, add: Iterable[int], remove: int | None, *, claim: bool
+    ) -> None:
+        """The index of a leased (S3) location, fenced: it names the lease token of the
+        writer that owns it, and is only replaced with ``If-Match`` on the ETag just read.
+        A writer that took the location over ``claim``s it (writes its own token) before it
+        deletes anything, so a writer that lost its lease, however long it stalled after its
+        last lease check, finds another token or a changed ETag and never writes the index:
+        the commit point cannot be reached by two writers, whatever the hosts' clocks say."""
+        import obstore
+        from obstore.exceptions import PreconditionError
+
+        token = self._lease[0] if self._lease is not None else None
+        async with self._index_lock:
+            for attempt in range(self._retries + 3):
+                if token is None:
+                    raise self._lost_lease()
+                try:
+                    got = await self._request(obstore.get_async(self._backend_store, "zarr.json"))
+                    raw, etag = bytes(await got.bytes_async()), got.meta["e_tag"]
+                except FileNotFoundError:  # what obstore raises for a missing object
+                    raw, etag = None, None
+                root = self._parse_root(raw) if raw is not None else None
+                if root is None:
+                    if not claim:  # the taker always writes one: it is not ours any more
+                        raise self._lost_lease()
+                    root = json.loads(_group_doc({"lazyckpt": {}}))
+                    assert root is not None
+                lazy = root["attributes"]["lazyckpt"]
+                if not claim and lazy.get("writer") != token:
+                    raise self._lost_lease()
+                steps = set(self._committed(root)).union(add)
+                if remove is not None:
+                    steps.discard(remove)
+                lazy["format_version"] = max(int(lazy.get("format_version", 0)), FORMAT_VERSION)
+                lazy["committed"] = sorted(steps)
+                lazy["writer"] = token
+                mode: Any = "create" if etag is None else {"e_tag": etag}
+                try:
+                    await self._request(
+                        obstore.put_async(self._backend_store, "zarr.json", _json(root), mode=mode)
+                    )
+                    return
+                except PreconditionError:
+                    continue  # written since the read: read again (was it the taker?)
+                except Exception as exc:
+                    if type(exc).__name__ != "AlreadyExistsError" and attempt >= self._retries:
+                        raise
+                    # S3 clients do not retry conditional PUTs; a lost reply of one that
+                    # landed shows up on the next read as this token's own index
+                    await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+            raise TierBrokenError(
+                f"the commit index {self.location}/zarr.json kept changing under this writer",
+                tier=self.name,
+            )
+
+    def _lost_lease(self) -> LocationInUseError:
+        self._lease = None  # lost for good: every later write stops too
+        return LocationInUseError(
+            f"{self.location}: this writer's lease expired and another writer took the "
+            "location over; this one stops writing here",
+            location=self.location,
+            holder=None,
+        )
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -1106,27 +1178,35 @@ class ZarrTier(Tier):
                 return  # rank 0 creates the root; every rank waits for it before writing
             names = await self._names("")
             steps = self._check_root_names(names)
-            committed = await self._rebuild_index(steps)
-            await self._put(
-                "zarr.json",
-                _group_doc(
-                    {"lazyckpt": {"format_version": FORMAT_VERSION, "committed": committed}}
-                ),
-            )
+            committed, incomplete = await self._rebuild_index(steps)
+            if self._leased:
+                await self._update_fenced_index(committed, None, claim=True)
+            else:
+                document = {"format_version": FORMAT_VERSION, "committed": committed}
+                await self._put("zarr.json", _group_doc({"lazyckpt": document}))
             if steps:
                 log.warning(
                     "%s: the commit index (zarr.json) was missing; rebuilt it from the %d of "
                     "%d step groups whose commit records verify (%s); the others were left "
-                    "in place",
+                    "in place%s",
                     self.location,
                     len(committed),
                     len(steps),
                     ", ".join(map(str, committed[-5:])) or "none",
+                    "; these have a commit record but not all their objects (a delete that "
+                    f"stopped part way?): {', '.join(map(_step_prefix, incomplete[:5]))}"
+                    if incomplete
+                    else "",
                 )
             return  # nothing is deleted on the open that rebuilt the index
         self._check_version(root)
         if not self._committer:
             return  # rank 0 cleans up; every rank waits for it before writing
+        if self._leased:
+            # the index names this writer before anything is deleted: a writer whose lease
+            # this one took over can no longer commit the steps swept below
+            await self._update_fenced_index((), None, claim=True)
+            root = await self._read_root()
         indexed = set(self._committed(root))
         leftovers = []
         async for name in self._store.list_dir(""):
@@ -1179,12 +1259,17 @@ class ZarrTier(Tier):
             )
         return sorted(n for n in names if _STEP_GROUP.match(n))
 
-    async def _rebuild_index(self, groups: list[str]) -> list[int]:
-        """The steps among ``groups`` whose commit records verify (a lost index, rebuilt).
+    async def _rebuild_index(self, groups: list[str]) -> tuple[list[int], list[int]]:
+        """The steps among ``groups`` whose commit records verify (a lost index, rebuilt),
+        and those whose records verify but whose objects are not all there.
 
         A group without a commit record was never committed and is left alone; a record
-        that does not verify stops the open, since nobody can tell what it held."""
-        committed = []
+        that does not verify stops the open, since nobody can tell what it held. A record
+        does not prove its data: a delete that stopped part way (the index already without
+        the step) leaves the record beside a part of the objects, so every object each
+        manifest names must be listed too, or the step is left out (and left in place)."""
+        committed: list[int] = []
+        incomplete: list[int] = []
         for prefix in groups:
             step = int(prefix[len("step-") :])
             names = await self._names(prefix)
@@ -1201,24 +1286,39 @@ class ZarrTier(Tier):
             try:
                 attrs = await self._group_attributes(key)
                 if "manifest" in attrs:
-                    source = f"{self.location}/{key}"
-                    manifest = Manifest.from_json(json.dumps(attrs["manifest"]), source=source)
-                    if manifest.step != step:
-                        raise CorruptionError(f"it holds step {manifest.step}")
+                    manifests = [self._record_manifest(attrs, key, step)]
                 else:
                     world = attrs.get("world_size")
                     if attrs.get("step") != step or type(world) is not int or world < 2:
                         raise CorruptionError("it is neither a manifest nor a commit record")
+                    manifests = []
                     for rank in range(world):
-                        await self._group_attributes(f"{_part_prefix(step, rank, world)}/zarr.json")
+                        part = f"{_part_prefix(step, rank, world)}/zarr.json"
+                        manifests.append(
+                            self._record_manifest(await self._group_attributes(part), part, step)
+                        )
+                plans = [plan_snapshot(m, self.pack_chunk_bytes) for m in manifests]
             except CorruptionError as exc:
                 raise CorruptionError(
                     f"{self.location}/zarr.json (the commit index) is missing, and whether "
                     f"step {step} was committed cannot be verified ({exc}); nothing was "
                     f"changed. Move {prefix} away to rebuild the index without it."
                 ) from exc
-            committed.append(step)
-        return committed
+            stored = {k async for k in self._store.list_prefix(f"{prefix}/")}
+            wanted = {t.key for plan in plans for t in plan.targets}
+            wanted.update(k for plan in plans for k in _documents(plan))
+            (committed if wanted <= stored else incomplete).append(step)
+        return committed, incomplete
+
+    def _record_manifest(self, attrs: dict[str, Any], key: str, step: int) -> Manifest:
+        source = f"{self.location}/{key}"
+        try:
+            manifest = Manifest.from_json(json.dumps(attrs["manifest"]), source=source)
+        except KeyError as exc:
+            raise CorruptionError(f"{source} has no manifest") from exc
+        if manifest.step != step:
+            raise CorruptionError(f"{source} holds step {manifest.step}")
+        return manifest
 
     # -- one writer per location -----------------------------------------------------------
 
@@ -1316,6 +1416,7 @@ class ZarrTier(Tier):
             if etag is None:
                 raise self._in_use(key, None)
         self._lease = (token, etag, time.monotonic())
+        self._leased = True
 
     def _in_use(self, key: str, holder: dict[str, Any] | None) -> LocationInUseError:
         who = (
@@ -1336,20 +1437,16 @@ class ZarrTier(Tier):
     async def _renew_lease(self) -> None:
         """Before writing: renew the lease once a third of it has passed; a lease another
         writer took over (this one stalled past it) stops this writer here."""
-        if self._lease is None:
+        if not self._leased:
             return
+        if self._lease is None:
+            raise self._lost_lease()
         token, etag, renewed = self._lease
         if time.monotonic() - renewed < self.lease_seconds / 3:
             return
         new_etag = await self._lease_put(token, {"e_tag": etag})
         if new_etag is None:
-            self._lease = None
-            raise LocationInUseError(
-                f"{self.location}: this writer's lease expired and another writer took the "
-                "location over; this one stops writing here",
-                location=self.location,
-                holder=None,
-            )
+            raise self._lost_lease()
         self._lease = (token, new_etag, time.monotonic())
 
     async def aclose(self) -> None:
