@@ -7,8 +7,10 @@ import asyncio
 import errno
 import os
 import re
+import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -299,3 +301,27 @@ async def test_one_lock_per_rank(tmp_path: Path, kind: str) -> None:
         ".lazyckpt-writer-rank-00000.lock",
         ".lazyckpt-writer-rank-00001.lock",
     ]
+
+
+async def test_a_reader_opens_while_the_writer_removes_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader's open looks into each step directory; the writer beside it (retention, an
+    abort) may remove one between the listing of the root and that look. The reader must
+    open all the same: readers work beside a writer."""
+    await write_then_die(tmp_path, 1, 2)
+    doomed = tmp_path / "step-000000000002"
+    listdir = Path.iterdir
+
+    def removed_first(self: Path) -> Iterator[Path]:
+        if self == doomed and doomed.exists():
+            shutil.rmtree(doomed)  # the writer, between the reader's two listings
+        return listdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", removed_first)
+    tier = FileTier(tmp_path, readonly=True)
+    await tier.open()
+    try:
+        assert await tier.steps() == [1]
+    finally:
+        await tier.aclose()

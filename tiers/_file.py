@@ -230,7 +230,10 @@ class FileTier(Tier):
                     location=where,
                 )
             if _STEP_DIR.match(name) and entry.is_dir():
-                names = sorted(p.name for p in entry.iterdir())
+                try:
+                    names = sorted(p.name for p in entry.iterdir())
+                except FileNotFoundError:  # a writer beside this reader removed it meanwhile
+                    continue
                 temps += [entry / n for n in names if _TEMP.match(n)]
                 foreign = [n for n in names if not _STEP_FILE.match(n) and not _TEMP.match(n)]
                 if not writing:
