@@ -320,3 +320,32 @@ async def test_a_lost_index_never_lists_a_step_whose_data_is_incomplete(
     assert "step-000000000002" in caplog.text
     assert (tmp_path / "step-000000000002").is_dir()  # left in place on that open
     assert await restored_step(ZarrTier(tmp_path, readonly=True)) == 3
+
+
+async def test_a_writer_that_lost_its_lease_deletes_nothing_of_the_new_ones(
+    s3: S3Location,
+) -> None:
+    """The stale writer gives up its step (the engine aborts it) while the writer that took
+    over writes the same step number, as a restarted job does: the abort must not remove
+    the new writer's objects, or the new writer would commit a step without its data."""
+    options = {**s3.server.tier_options(), "lease_seconds": 1.0}
+    first = ZarrTier(s3.url, **options)
+    await first.open()
+    manifest, payloads = build_snapshot(5, state_of(5), shard_size=64 << 10)
+    await first.begin(manifest)
+    await first.put_shard(manifest, manifest.shards[0], memoryview(payloads[0]))
+    await asyncio.sleep(1.2)  # stalled past its lease
+    second = ZarrTier(s3.url, **options)
+    await second.open()
+    try:
+        manifest, payloads = build_snapshot(5, state_of(5), shard_size=64 << 10)
+        await second.begin(manifest)
+        for shard, data in zip(manifest.shards, payloads, strict=True):
+            await second.put_shard(manifest, shard, memoryview(data))
+        await first.abort(5)  # the stale writer cleans up after its failure
+        await second.commit(manifest)
+        assert await second.steps() == [5]
+    finally:
+        await second.aclose()
+        await first.aclose()
+    assert await restored_step(ZarrTier(s3.url, readonly=True, **s3.server.tier_options())) == 5

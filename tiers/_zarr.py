@@ -1434,15 +1434,16 @@ class ZarrTier(Tier):
             holder={k: v for k, v in holder.items() if k != "token"} if holder else None,
         )
 
-    async def _renew_lease(self) -> None:
-        """Before writing: renew the lease once a third of it has passed; a lease another
+    async def _renew_lease(self, *, force: bool = False) -> None:
+        """Before writing: renew the lease once a third of it has passed (``force``: now,
+        before removing objects that may not be this writer's any more); a lease another
         writer took over (this one stalled past it) stops this writer here."""
         if not self._leased:
             return
         if self._lease is None:
             raise self._lost_lease()
         token, etag, renewed = self._lease
-        if time.monotonic() - renewed < self.lease_seconds / 3:
+        if not force and time.monotonic() - renewed < self.lease_seconds / 3:
             return
         new_etag = await self._lease_put(token, {"e_tag": etag})
         if new_etag is None:
@@ -1467,7 +1468,9 @@ class ZarrTier(Tier):
     async def begin(self, manifest: Manifest) -> None:
         self._writable("write a snapshot")
         with self._backend("begin"):
-            await self._renew_lease()
+            # begin removes what sits at the step's prefix: only while the lease is surely
+            # this writer's (a taker may be writing the same step number there)
+            await self._renew_lease(force=True)
             root = await self._read_root()
             if root is None and manifest.world_size > 1:
                 raise ConfigurationError(
@@ -1565,6 +1568,10 @@ class ZarrTier(Tier):
             self._forget(step)
             if self.readonly:
                 return  # a read-only tier wrote nothing to abort
+            try:
+                await self._renew_lease(force=True)
+            except LocationInUseError:
+                return  # what is there now is the taker's (it may write the same step)
             if step in self._committed(await self._read_root()):
                 return
             if self.world_size == 1:
