@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -324,4 +325,27 @@ async def test_a_reader_opens_while_the_writer_removes_a_step(
     try:
         assert await tier.steps() == [1]
     finally:
+        await tier.aclose()
+
+
+async def test_manifest_reads_never_queue_behind_the_bulk_writes(tmp_path: Path) -> None:
+    """Manifests are read with aiofiles, off the tier's bounded I/O pool: with that pool
+    busy (a long data write), reading a committed step's manifest still answers."""
+    await write_then_die(tmp_path, 1, 2)
+    tier = FileTier(tmp_path, io_threads=1)
+    await tier.open()
+    busy, release = threading.Event(), threading.Event()
+
+    def long_write() -> None:
+        busy.set()
+        release.wait(30)
+
+    blocked = asyncio.ensure_future(tier._run("a long write", long_write))
+    try:
+        await asyncio.to_thread(busy.wait, 10)
+        manifest = await asyncio.wait_for(tier.read_manifest(1), 10)
+        assert manifest.step == 1
+    finally:
+        release.set()
+        await blocked
         await tier.aclose()

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from lazyckpt import (
 )
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, ZarrTier
+from tiers._zarr_store import DurableLocalStore
 
 __all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 
@@ -349,3 +351,30 @@ async def test_a_writer_that_lost_its_lease_deletes_nothing_of_the_new_ones(
         await second.aclose()
         await first.aclose()
     assert await restored_step(ZarrTier(s3.url, readonly=True, **s3.server.tier_options())) == 5
+
+
+async def test_index_and_manifest_reads_never_queue_behind_the_bulk_writes(
+    tmp_path: Path,
+) -> None:
+    """On a path, the index and the commit records are read with aiofiles, off the store's
+    bounded pool: with that pool busy (chunk writes), listing and reading a manifest answer."""
+    await write(lambda: ZarrTier(tmp_path), [1])
+    tier = ZarrTier(tmp_path, io_threads=1)
+    await tier.open()
+    store = tier._store
+    assert isinstance(store, DurableLocalStore)
+    busy, release = threading.Event(), threading.Event()
+
+    def long_write() -> None:
+        busy.set()
+        release.wait(30)
+
+    blocked = asyncio.ensure_future(store._run(long_write))
+    try:
+        await asyncio.to_thread(busy.wait, 10)
+        assert await asyncio.wait_for(tier.steps(), 10) == [1]
+        assert (await asyncio.wait_for(tier.read_manifest(1), 10)).step == 1
+    finally:
+        release.set()
+        await blocked
+        await tier.aclose()

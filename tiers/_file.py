@@ -55,7 +55,7 @@ from lazyckpt import (
     translate_os_error,
 )
 
-from ._fs import WriterLock, fsync_dir, lock_name, remove_tree
+from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
 
 __all__ = ["FileTier"]
 
@@ -162,6 +162,16 @@ class FileTier(Tier):
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._pool, fn, *args)  # type: ignore[arg-type]
+        except OSError as exc:
+            raise translate_os_error(exc, self.name, what) from exc
+
+    async def _read_small(self, what: str, path: Path) -> bytes:
+        """A manifest, read with aiofiles (see :func:`read_small`): never behind the bulk
+        writes queued on this tier's pool."""
+        if self._closed:
+            raise TierClosedError("closed", tier=self.name)
+        try:
+            return await read_small(path)
         except OSError as exc:
             raise translate_os_error(exc, self.name, what) from exc
 
@@ -481,21 +491,19 @@ class FileTier(Tier):
         directory); a step written by a single process has one manifest, for any rank."""
         path = self._dir(step) / MANIFEST
         try:
-            data = await self._run(f"read manifest {path}", path.read_bytes)
+            data = await self._read_small(f"read manifest {path}", path)
         except TierBrokenError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 raise SnapshotNotFoundError(
                     f"step {step} is not committed on {self.name!r}"
                 ) from None
             raise
-        assert isinstance(data, bytes)
         if b'"lazyckpt-commit"' in data[:64]:  # several ranks: read this rank's manifest
             path = self._dir(step) / f"rank-{rank:05d}.json"
             try:
-                data = await self._run(f"read manifest {path}", path.read_bytes)
+                data = await self._read_small(f"read manifest {path}", path)
             except TierBrokenError as exc:
                 raise CorruptionError(f"{path} is missing from committed step {step}") from exc
-            assert isinstance(data, bytes)
         manifest = Manifest.from_json(data, source=f"{self.name}:{path}")
         if manifest.step != step:
             raise CorruptionError(f"{path} holds step {manifest.step}, not {step}")

@@ -48,7 +48,10 @@ One writer per location: on a path each writing rank holds an ``flock`` on
 object ``.lazyckpt-writer-rank-NNNNN.json``, created with a conditional PUT (``If-None-Match``)
 and renewed with ``If-Match`` on its ETag, so a second writer is refused at ``open()`` and a
 writer that lost its lease (it stalled past ``lease_seconds`` and another took over) fails
-before it writes again. Readers take neither.
+before it writes again. The index on S3 is fenced by that lease: it names the owning
+writer's token and is replaced only with ``If-Match`` on the ETag just read, and a writer that
+takes over writes its token there before it sweeps anything, so a writer that stalls past its
+lease after its last check still never commits. Readers take neither.
 
 ``open()`` deletes only what it can prove is its own uncommitted leftover: a step group
 missing from the index, under a root whose ``zarr.json`` carries lazyckpt's attributes, that
@@ -107,7 +110,7 @@ from lazyckpt import (
     TierLevel,
 )
 
-from ._fs import WriterLock, lock_name
+from ._fs import WriterLock, lock_name, read_small
 from ._zarr_store import DurableLocalStore
 
 __all__ = ["ZarrTier"]
@@ -969,6 +972,19 @@ class ZarrTier(Tier):
     async def _get(self, key: str) -> Buffer | None:
         return await self._request(self._store.get(key, default_buffer_prototype()))
 
+    async def _get_document(self, key: str) -> bytes | None:
+        """A small metadata object (the index, a commit record, a group or array document).
+        On a path it is read with aiofiles, off the store's bounded pool, so listing steps
+        or reading a manifest never waits behind the chunk writes queued there; writes stay
+        on the store (they fsync the file and its directory)."""
+        if self._local is None:
+            raw = await self._get(key)
+            return None if raw is None else raw.to_bytes()
+        try:
+            return await read_small(self._local.joinpath(*key.split("/")))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
     async def _put(self, key: str, data: bytes) -> None:
         await self._request(self._store.set(key, CpuBuffer.from_bytes(data)))
 
@@ -1017,10 +1033,10 @@ class ZarrTier(Tier):
     # -- the commit index ------------------------------------------------------------------
 
     async def _read_root(self) -> dict[str, Any] | None:
-        raw = await self._get("zarr.json")
+        raw = await self._get_document("zarr.json")
         if raw is None:
             return None
-        return self._parse_root(raw.to_bytes())
+        return self._parse_root(raw)
 
     def _parse_root(self, raw: bytes) -> dict[str, Any]:
         try:
@@ -1630,11 +1646,11 @@ class ZarrTier(Tier):
     async def _group_attributes(self, key: str) -> dict[str, Any]:
         """``attributes.lazyckpt`` of the group document at ``key`` of a committed step."""
         source = f"{self.name}:{self.location}/{key}"
-        raw = await self._get(key)
+        raw = await self._get_document(key)
         if raw is None:
             raise CorruptionError(f"{source} is missing from a committed step")
         try:
-            attrs = json.loads(raw.to_bytes())["attributes"]["lazyckpt"]
+            attrs = json.loads(raw)["attributes"]["lazyckpt"]
             if not isinstance(attrs, dict):
                 raise TypeError("attributes.lazyckpt is not an object")
         except (ValueError, KeyError, TypeError) as exc:
@@ -1648,10 +1664,10 @@ class ZarrTier(Tier):
         geometry = self._geometry.get(at)
         if geometry is None:
             key = f"{plan.prefix}/packed/zarr.json"
-            raw = await self._get(key)
+            raw = await self._get_document(key)
             if raw is None:
                 raise CorruptionError(f"{self.location}/{key} is missing")
-            geometry = _geometry_from_document(raw.to_bytes(), f"{self.location}/{key}")
+            geometry = _geometry_from_document(raw, f"{self.location}/{key}")
             self._geometry[at] = geometry
         return geometry
 
