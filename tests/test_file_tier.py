@@ -349,3 +349,23 @@ async def test_manifest_reads_never_queue_behind_the_bulk_writes(tmp_path: Path)
         release.set()
         await blocked
         await tier.aclose()
+
+
+@pytest.mark.parametrize(("kind", "other"), [("file", "zarr"), ("zarr", "file")])
+async def test_every_rank_refuses_a_foreign_location_unchanged(
+    tmp_path: Path, kind: str, other: str
+) -> None:
+    """Not only rank 0: a rank that does not clean up still must not put its lock file (or
+    anything) into a location another kind of tier wrote."""
+    async with lazyckpt.Checkpointer(
+        [lazyckpt.load_tier(other, str(tmp_path))], staging_bytes=1 << 20, **SMALL
+    ) as c:
+        await (await c.snapshot({"w": torch.randn(300, 77)}, step=1)).committed()
+    before = tree(tmp_path)
+    hidden = sorted(os.listdir(tmp_path))
+    tier = lazyckpt.load_tier(kind, str(tmp_path))
+    tier.rank, tier.world_size = 1, 2
+    with pytest.raises(lazyckpt.ForeignLocationError):
+        await tier.open()
+    await tier.aclose()
+    assert tree(tmp_path) == before and sorted(os.listdir(tmp_path)) == hidden

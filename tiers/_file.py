@@ -192,8 +192,11 @@ class FileTier(Tier):
                 raise SnapshotNotFoundError(f"{self.root}: no such directory (tier {self.name!r})")
             self._survey(writing=False)  # refuses another store's location; changes nothing
             return
-        if self.root.is_dir() and (self.world_size == 1 or self.rank == 0):
-            self._survey()  # a foreign location is refused before anything is written there
+        if self.root.is_dir():
+            # a foreign location is refused before anything (even a lock) is written there,
+            # by every rank; the others only look for another store's signs, as a reader
+            # does, since rank 0 may be sweeping leftovers meanwhile
+            self._survey(writing=self.world_size == 1 or self.rank == 0)
         self.root.mkdir(parents=True, exist_ok=True)
         lock = WriterLock(self.root / lock_name(self.rank), str(self.root))
         lock.acquire()

@@ -1162,9 +1162,13 @@ class ZarrTier(Tier):
             if self.readonly:
                 await self._open_readonly()
                 return
-            if self._committer and await self._read_root() is None:
-                # a foreign location is refused before the lock or lease is written there
-                await self._rebuild_index(self._check_root_names(await self._names("")))
+            # a foreign location is refused before the lock or lease is written there
+            if await self._read_root() is None:
+                names = await self._names("")
+                if self._committer:
+                    await self._rebuild_index(self._check_root_names(names))
+                else:  # rank 0 may be writing the root meanwhile
+                    self._check_root_names([n for n in names if n != "zarr.json"])
             await self._take_writer_lock()
             try:
                 await self._open_for_writing()
