@@ -5,6 +5,7 @@ opens change nothing, one writer per location (a lease on S3), and missing bucke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -378,3 +379,37 @@ async def test_index_and_manifest_reads_never_queue_behind_the_bulk_writes(
         release.set()
         await blocked
         await tier.aclose()
+
+
+async def test_closing_a_writer_whose_lease_ran_out_leaves_the_takers_lease(
+    s3: S3Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer idle past its lease closes while another tries to take the location over,
+    the taker getting in right before the close deletes the lease object (if it can get in
+    then at all): never may two later writers both hold the location, as they would if the
+    close deleted the taker's lease."""
+    import obstore
+
+    options = {**s3.server.tier_options(), "lease_seconds": 1.0}
+    first = ZarrTier(s3.url, **options)
+    await first.open()
+    await asyncio.sleep(1.2)  # idle past its lease
+    second, third = ZarrTier(s3.url, **options), ZarrTier(s3.url, **options)
+    delete = obstore.delete_async
+    stale_store = first._backend_store
+
+    async def taker_first(store: object, key: object, *args: object) -> None:
+        if store is stale_store and not second._leased:
+            with contextlib.suppress(LocationInUseError):
+                await second.open()
+        await delete(store, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(obstore, "delete_async", taker_first)
+    await first.aclose()
+    try:
+        with contextlib.suppress(LocationInUseError):
+            await third.open()
+        assert not (second._leased and third._leased), "two writers hold the location"
+    finally:
+        await third.aclose()
+        await second.aclose()

@@ -1362,15 +1362,14 @@ class ZarrTier(Tier):
             self._writer_lock.release()
             self._writer_lock = None
         if self._lease is not None:
-            token = self._lease[0]
-            self._lease = None
             with contextlib.suppress(Exception):  # it expires anyway
                 import obstore
 
-                key = self._lease_key()
-                held = await self._request(obstore.get_async(self._backend_store, key))
-                if _lease_holder(await held.bytes_async()).get("token") == token:
-                    await self._request(obstore.delete_async(self._backend_store, key))
+                # renewed first, so that what is deleted is surely this writer's lease: a
+                # taker gets in only once it expired, and a lease lost already stays put
+                await self._renew_lease(force=True)
+                await self._request(obstore.delete_async(self._backend_store, self._lease_key()))
+            self._lease = None
 
     @property
     def _backend_store(self) -> Any:
