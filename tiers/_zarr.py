@@ -1092,7 +1092,7 @@ class ZarrTier(Tier):
         last lease check, finds another token or a changed ETag and never writes the index:
         the commit point cannot be reached by two writers, whatever the hosts' clocks say."""
         import obstore
-        from obstore.exceptions import PreconditionError
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         token = self._lease[0] if self._lease is not None else None
         async with self._index_lock:
@@ -1125,10 +1125,10 @@ class ZarrTier(Tier):
                         obstore.put_async(self._backend_store, "zarr.json", _json(root), mode=mode)
                     )
                     return
-                except PreconditionError:
+                except (PreconditionError, AlreadyExistsError):
                     continue  # written since the read: read again (was it the taker?)
-                except Exception as exc:
-                    if type(exc).__name__ != "AlreadyExistsError" and attempt >= self._retries:
+                except Exception:
+                    if attempt >= self._retries:
                         raise
                     # S3 clients do not retry conditional PUTs; a lost reply of one that
                     # landed shows up on the next read as this token's own index
