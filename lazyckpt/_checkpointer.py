@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 import warnings
@@ -37,12 +38,14 @@ from ._tree import TensorRef, walk_state
 __all__ = [
     "Checkpointer",
     "SnapshotHandle",
+    "SnapshotInFlightError",
     "SnapshotSkippedError",
     "SnapshotSkippedWarning",
     "SyncCheckpointer",
 ]
 
 T = TypeVar("T")
+log = logging.getLogger("lazyckpt")
 
 
 class SnapshotSkippedWarning(UserWarning):
@@ -51,6 +54,11 @@ class SnapshotSkippedWarning(UserWarning):
 
 class SnapshotSkippedError(LazyCkptError):
     """Raised by the awaitables of a skipped snapshot's handle: it was never taken."""
+
+
+class SnapshotInFlightError(LazyCkptError):
+    """``delete(step)`` was asked for a step that is still on its way through the tiers
+    (or being restored). Await its handle's ``committed()`` (or the restore) first."""
 
 
 class SnapshotHandle:
@@ -363,6 +371,70 @@ class _Core:
         everyone = await self.engine.coordinator.gather(0, mine)
         return sorted(set.intersection(*(set(part) for part in everyone)))
 
+    async def delete_on_engine(self, step: int) -> None:
+        """Delete a committed ``step`` on every tier (engine loop); see
+        :meth:`Checkpointer.delete`."""
+        if type(step) is not int or step < 0:
+            raise ConfigurationError(f"step must be a non-negative int, got {step!r}")
+        engine = self.engine
+        busy = ""
+        flight = engine.flights.get(step)
+        # a flight whose last stage resolved is only tidying up: it is no longer in flight
+        if flight is not None and not flight.reached[engine.stage_names[-1]].done():
+            busy = "still in flight; await its handle's committed() first"
+        elif step in engine.protected:
+            busy = "being restored; delete it once the restore returned"
+        listing = await asyncio.gather(*(t.steps() for t in engine.tiers), return_exceptions=True)
+        held = [
+            t.name for t, steps in zip(engine.tiers, listing, strict=True)
+            if not isinstance(steps, BaseException) and step in steps
+        ]
+        if engine.coordinator is not None:
+            # every rank decides the same: the same step, nobody busy, somebody holds it
+            everyone = await engine.coordinator.gather(0, (step, busy, bool(held)))
+            if len({s for s, _, _ in everyone}) != 1:
+                raise ConfigurationError(
+                    f"ranks asked to delete different steps ({sorted({s for s, _, _ in everyone})}); "
+                    "every rank must call delete() with the same step, together"
+                )
+            busy = busy or next((b for _, b, _ in everyone if b), "")
+            found = any(h for _, _, h in everyone)
+        else:
+            found = bool(held)
+        if busy:
+            raise SnapshotInFlightError(f"step {step} cannot be deleted: it is {busy}")
+        if not found:
+            raise SnapshotNotFoundError(
+                f"step {step} is not committed on any tier "
+                f"({', '.join(t.name for t in engine.tiers)}); nothing to delete"
+            )
+        errors: list[Exception] = []
+        for stage, tier in enumerate(engine.tiers if engine.host else [None, *engine.tiers]):
+            if tier is None:
+                continue
+            try:
+                await engine.delete_on_tier(tier, stage, step)
+            except Exception as exc:
+                errors.append(exc)
+        if engine.coordinator is not None:
+            # nobody returns before every rank (rank 0 with the shared records) is through
+            oks = await engine.coordinator.gather(0, not errors)
+            failed = [r for r, ok in enumerate(oks) if not ok]
+            if failed and not errors:
+                errors.append(
+                    LazyCkptError(f"rank(s) {failed} could not delete step {step}; see their logs")
+                )
+        if step == self._last_step:  # deleting the newest step lets a rollback reuse it
+            listing = await asyncio.gather(
+                *(t.steps() for t in engine.tiers), return_exceptions=True
+            )
+            remaining = [s for got in listing if not isinstance(got, BaseException) for s in got]
+            self._last_step = max([*remaining, *engine.flights], default=None)
+        for other in errors[1:]:
+            log.warning("deleting step %d: %s", step, other, extra={"step": step})
+        if errors:
+            raise errors[0]
+
     async def close_on_engine(self) -> None:
         await self.engine.close()
 
@@ -535,6 +607,21 @@ class Checkpointer:
         self._core.check_open()
         return await self._call(self._core.steps_on_engine())
 
+    async def delete(self, step: int) -> None:
+        """Delete the committed snapshot of ``step`` on every tier (the host tier included).
+
+        Raises :class:`SnapshotInFlightError` while the step is still on its way through the
+        tiers or being restored (await its handle first), :class:`SnapshotNotFoundError`
+        when no tier holds it, and a tier's error when a tier could not delete it (the other
+        tiers still did). Retention passes on a tier wait for it, and it for them. Deleting
+        the newest step lets the next ``snapshot()`` use that step number again (a
+        rollback). With several ranks, every rank calls it together with the same step;
+        each tier deletes what its layout gives that rank to delete (the shared commit
+        record on rank 0). Cancelling it may leave the step deleted on some tiers only.
+        """
+        self._core.check_open()
+        await self._call(self._core.delete_on_engine(step))
+
     async def verify(self, step: int | None = None) -> VerifyReport:
         """Read every shard of ``step`` (default: the latest) on every tier that has it and
         check its checksum; report the damage per tier. Changes nothing."""
@@ -563,7 +650,7 @@ class SyncCheckpointer:
 
     Same arguments and operations: ``with SyncCheckpointer(tiers=[...]) as ckpt:``,
     ``ckpt.snapshot(state, step=N)``, ``ckpt.wait_captured()``, ``ckpt.guard(opt)``,
-    ``ckpt.restore(...)``, ``ckpt.steps()``, ``ckpt.close()``.
+    ``ckpt.restore(...)``, ``ckpt.steps()``, ``ckpt.delete(step)``, ``ckpt.close()``.
     """
 
     def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
@@ -619,6 +706,11 @@ class SyncCheckpointer:
         """See :meth:`Checkpointer.steps`."""
         self._core.check_open()
         return self._call(self._core.steps_on_engine)
+
+    def delete(self, step: int) -> None:
+        """See :meth:`Checkpointer.delete`."""
+        self._core.check_open()
+        self._call(lambda: self._core.delete_on_engine(step))
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """See :meth:`Checkpointer.verify`."""

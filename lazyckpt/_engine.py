@@ -710,6 +710,16 @@ class Engine:
             with self._lock:
                 self._unreported.append(err)
 
+    async def delete_on_tier(self, tier: Tier, stage: int, step: int) -> None:
+        """Delete ``step`` on one tier for ``Checkpointer.delete`` (engine loop): under the
+        tier's retention lock, so no retention pass deletes it at the same time or lists it
+        half deleted."""
+        if stage == 0:
+            await self._guarded(0, f"delete step {step}", partial(tier.delete, step))
+            return
+        async with self._retention_locks[stage - 1]:
+            await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
+
     def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None:
         name = self.stage_names[stage]
         self.tier_bytes[name] += nbytes
