@@ -225,7 +225,11 @@ def optimizer_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
 
 
 def _compile(patterns: Sequence[str], what: str) -> re.Pattern[str] | None:
-    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+    if (
+        isinstance(patterns, str)
+        or not isinstance(patterns, Sequence)
+        or not all(isinstance(p, str) for p in patterns)
+    ):
         raise ConfigurationError(
             f"{what} must be a list or tuple of key patterns such as 'model/ema.*', "
             f"got {patterns!r}"
@@ -246,8 +250,8 @@ class EagerPolicy:
     """
 
     eager_bytes: int = 1 << 20
-    eager: tuple[str, ...] = ()
-    lazy: tuple[str, ...] = ()
+    eager: Sequence[str] = ()
+    lazy: Sequence[str] = ()
     _eager_re: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
     _lazy_re: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
@@ -258,6 +262,8 @@ class EagerPolicy:
             )
         object.__setattr__(self, "_eager_re", _compile(self.eager, "eager"))
         object.__setattr__(self, "_lazy_re", _compile(self.lazy, "lazy"))
+        object.__setattr__(self, "eager", tuple(self.eager))
+        object.__setattr__(self, "lazy", tuple(self.lazy))
 
     def choose(self, refs: Sequence[TensorRef], owned: set[int]) -> list[int]:
         """Indexes of the refs to copy now (aliases follow the tensor they alias)."""

@@ -187,7 +187,7 @@ class _Core:
             raise ConfigurationError(f"verify_sources must be True or False, got {verify_sources!r}")
         if not exit_timeout >= 0:
             raise ConfigurationError(f"exit_timeout must be seconds >= 0, got {exit_timeout!r}")
-        self.policy = EagerPolicy(eager_bytes, tuple(eager), tuple(lazy))
+        self.policy = EagerPolicy(eager_bytes, eager, lazy)
         self.on_failure = on_failure
         self.verify_sources = verify_sources
         self.exit_timeout = exit_timeout
@@ -664,8 +664,10 @@ def _wrap_closure(
     fires before the forward pass: waiting there would end the lazy window before it began.
     The closure is wrapped instead, so the wait happens after it returns, before the
     optimizer changes anything (every torch optimizer calls its closure first)."""
-    if args and callable(args[0]):
-        fn, where = args[0], "args"
+    # the hook sees step()'s arguments with the optimizer itself first
+    first = 1 if args and isinstance(args[0], torch.optim.Optimizer) else 0
+    if len(args) > first and callable(args[first]):
+        fn, where = args[first], "args"
     elif callable(kwargs.get("closure")):
         fn, where = kwargs["closure"], "kwargs"
     else:
@@ -677,7 +679,7 @@ def _wrap_closure(
         return loss
 
     if where == "args":
-        return (closure, *args[1:]), kwargs
+        return (*args[:first], closure, *args[first + 1 :]), kwargs
     return args, {**kwargs, "closure": closure}
 
 
