@@ -219,7 +219,7 @@ def test_what_is_not_an_optimizer_is_refused_with_what_to_pass(tmp_path: Path) -
     with lazyckpt.SyncCheckpointer(chain(tmp_path), **SMALL) as ckpt:
         with pytest.raises(ConfigurationError, match=r"scaler\.step\(optimizer\)"):
             ckpt.guard(torch.amp.GradScaler("cpu"))
-        with pytest.raises(ConfigurationError, match="AcceleratedOptimizer.*got Linear"):
+        with pytest.raises(ConfigurationError, match=r"AcceleratedOptimizer.*got Linear"):
             ckpt.guard(model)
         with pytest.raises(ConfigurationError, match="closure"):
             ckpt.guard(torch.optim.SGD(model.parameters()), closure="yes")  # type: ignore[arg-type]
