@@ -217,7 +217,7 @@ class _Core:
         )
         self.engine = Engine(tiers, options)
         if verify_sources:
-            self.engine.capture = VerifyingCapture(self.engine.capture)
+            self.engine.capture = VerifyingCapture(self.engine.capture, capture_threads)
         self.options = options
         self._last_step: int | None = None
         self._closing = False

@@ -164,3 +164,30 @@ async def test_eager_copies_keep_aliases_and_restore_exactly(tmp_path: Path) -> 
     assert restored["a"] is restored["b"]
     assert torch.equal(restored["a"], before)
     assert torch.equal(restored["view"], before.t())
+
+
+async def test_a_snapshot_taken_in_inference_mode(tmp_path: Path) -> None:
+    model = torch.nn.BatchNorm1d(4)
+    async with lazyckpt.Checkpointer(chain(tmp_path), **SMALL) as ckpt:
+        with torch.inference_mode():
+            handle = await ckpt.snapshot({"model": model, "t": torch.ones(3)}, step=0)
+        await handle.committed()
+        restored = await ckpt.restore(step=0)
+    assert torch.equal(restored["t"], torch.ones(3))
+    assert torch.equal(restored["model"]["running_var"], torch.ones(4))
+
+
+def test_lbfgs_history_counts_as_owned() -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.LBFGS(model.parameters(), history_size=3)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.randn(2, 4)).square().sum()
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+    history = opt.state[model.weight]["old_dirs"]
+    assert history and all(t.data_ptr() in optimizer_pointers([opt]) for t in history)
