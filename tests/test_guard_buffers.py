@@ -55,6 +55,7 @@ async def test_a_guarded_batchnorm_net_snapshots_every_step_and_resumes_bit_iden
     resumed = Trainer(STEPS, seed=123)  # different weights: all must come from the snapshot
     async with lazyckpt.Checkpointer([FileTier(tmp_path / "file")]) as fresh:
         await fresh.restore(step=middle, into=resumed.state(0))
+    assert resumed.model.stem.bn.num_batches_tracked is not None
     assert int(resumed.model.stem.bn.num_batches_tracked) == middle + 1
     after = [resumed.step(s) for s in range(middle + 1, STEPS)]
     assert after == expected[middle + 1 :]
@@ -83,11 +84,12 @@ class WithEMA(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
-        self.register_buffer("ema", torch.zeros(512, 1024))
+        self.ema = torch.nn.Buffer(torch.zeros(512, 1024))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ema.mul_(0.9).add_(x.mean())
-        return self.lin(x)
+        out: torch.Tensor = self.lin(x)
+        return out
 
 
 @pytest.mark.parametrize("eager", [(), ("model/ema",)])
@@ -183,11 +185,11 @@ def test_lbfgs_history_counts_as_owned() -> None:
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = model(torch.randn(2, 4)).square().sum()
-        loss.backward()
+        loss: torch.Tensor = model(torch.randn(2, 4)).square().sum()
+        torch.autograd.backward(loss)
         return loss
 
     for _ in range(2):
-        opt.step(closure)
+        opt.step(closure)  # type: ignore[no-untyped-call]
     history = opt.state[model.weight]["old_dirs"]
     assert history and all(t.data_ptr() in optimizer_pointers([opt]) for t in history)
