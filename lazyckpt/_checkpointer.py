@@ -761,8 +761,8 @@ class Checkpointer:
             goes on; one warning is logged per failed snapshot and
             ``metrics()["snapshots_failed"]`` counts it. ``"raise"``: in addition, the next
             ``snapshot()`` (or ``wait_captured()``, or closing) raises the failure nobody has
-            seen yet. Either way the handle's awaitables raise it, a failed snapshot is
-            never listed by ``steps()``, and the guard never raises into the optimizer step.
+            seen yet. Either way the handle's awaitables raise it, no tier it failed on
+            lists it, and the guard never raises into the optimizer step.
         eager_bytes: tensors up to this size (bytes, default 1 MiB) that no guarded
             optimizer owns are copied at ``snapshot()`` instead of lazily: module buffers
             that the forward pass updates (BatchNorm statistics), small frozen tensors, RNG
