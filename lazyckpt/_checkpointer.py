@@ -253,9 +253,10 @@ class _Core:
             committed = [s for part in everyone for s in part]
         self._last_step = max(committed) if committed else None
 
-    def prepare(self, state: Any, step: int) -> Flight | SnapshotHandle:
+    def prepare(self, state: Any, step: int, stacklevel: int = 3) -> Flight | SnapshotHandle:
         """The synchronous half of ``snapshot()``: walk, copy the eager tensors, plan. Returns
-        the flight to submit, or the handle of a skipped snapshot."""
+        the flight to submit, or the handle of a skipped snapshot (whose warning points
+        ``stacklevel`` frames up: at the caller of the public ``snapshot()``)."""
         t0 = time.perf_counter()
         self.check_open()
         if type(step) is not int or step < 0:
@@ -283,7 +284,7 @@ class _Core:
                 f"snapshot of step {step} skipped: the pipeline is still busy with earlier "
                 f"snapshots ({self.engine.skipped} skipped so far)",
                 SnapshotSkippedWarning,
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
             return SnapshotHandle(self.engine, None, step)
         flight = Flight(manifest, refs, self.engine.stage_names)
@@ -304,7 +305,7 @@ class _Core:
             self._last_step = previous
 
     def snapshot(self, state: Any, step: int) -> SnapshotHandle:
-        prepared = self.prepare(state, step)
+        prepared = self.prepare(state, step, stacklevel=4)
         if isinstance(prepared, SnapshotHandle):
             return prepared
         return self.submit(prepared)
