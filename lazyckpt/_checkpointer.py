@@ -225,6 +225,7 @@ class _Core:
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []
         self._plan_cache: tuple[tuple[Any, ...], Manifest] | None = None
         self._at_exit: Callable[[], None] | None = None
+        self._owned_cache: tuple[tuple[Any, ...], set[int]] | None = None
 
     @property
     def cuda(self) -> CudaCapture | None:
@@ -339,9 +340,22 @@ class _Core:
             self.engine.take_unreported()
 
     def owned_pointers(self) -> set[int]:
-        """Data pointers of the tensors the guarded optimizers own (see EagerPolicy)."""
+        """Data pointers of the tensors the guarded optimizers own (see EagerPolicy).
+
+        Listing them costs about as much per tensor as the walk itself, so the set is kept
+        while the optimizers' shape stays the same: the same ``state`` and ``param_groups``
+        objects (``load_state_dict`` replaces both), the same number of parameters, of
+        parameters with state and of state entries (an optimizer creates its state at its
+        first step). An optimizer that swaps a state tensor for a new one without any of
+        these changing leaves the new one out: it is then treated as not owned, which is
+        safe (copied at ``snapshot()`` if small, version-checked if large)."""
         live = [opt for opt, handle in self._guards if _installed(opt, handle)]
-        return optimizer_pointers(live) if live else set()
+        if not live:
+            return set()
+        shape = tuple(_optimizer_shape(opt) for opt in live)
+        if self._owned_cache is None or self._owned_cache[0] != shape:
+            self._owned_cache = (shape, optimizer_pointers(live))
+        return self._owned_cache[1]
 
     def _plan(self, step: int, tree: Any, refs: list[TensorRef]) -> Manifest:
         """The layout for this snapshot; reused from the previous one when every tensor has
@@ -634,6 +648,18 @@ def _tags(tree: Any) -> set[str]:
             found.update(node)
             stack.extend(node.values())
     return found
+
+
+def _optimizer_shape(opt: torch.optim.Optimizer) -> tuple[int, ...]:
+    state = opt.state
+    return (
+        id(opt),
+        id(state),
+        id(opt.param_groups),
+        sum(len(g["params"]) for g in opt.param_groups),
+        len(state),
+        sum(len(v) for v in state.values()),
+    )
 
 
 def _installed(opt: torch.optim.Optimizer, handle: Any) -> bool:
