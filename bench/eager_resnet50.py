@@ -10,7 +10,8 @@ needed, with SGD momentum buffers for every parameter, and a guard on the optimi
 - ``capture``: time from ``snapshot()`` until every shard is in host memory (what the guard
   waits for at most), with and without ``verify_sources=True``.
 
-Methods alternate (A B A B ...) and each figure is a median over ``--reps`` snapshots::
+The configurations alternate snapshot by snapshot, in an order rotated every round, and
+each figure is a median over ``--reps`` snapshots::
 
     python bench/eager_resnet50.py --reps 30
 """
@@ -113,8 +114,12 @@ def measure(reps: int) -> dict[str, Any]:
         for ckpt in ckpts.values():
             ckpt.guard(opt)
         step = 0
-        for _ in range(reps + 2):  # two warm-up rounds, not counted
-            for name, ckpt in ckpts.items():
+        names = list(ckpts)
+        for round_ in range(reps + 2):  # two warm-up rounds, not counted
+            # rotated every round, so that no configuration always follows the same one
+            k = round_ % len(names)
+            for name in names[k:] + names[:k]:
+                ckpt = ckpts[name]
                 state = {"model": model, "optim": opt, "step": step}
                 t0 = time.perf_counter()
                 handle = ckpt.snapshot(state, step=step)
