@@ -5,7 +5,8 @@ one linear head; 25.6 M parameters), written out as tensor shapes so that no tor
 needed, with SGD momentum buffers for every parameter, and a guard on the optimizer:
 
 - ``snapshot()``: time inside ``snapshot()`` with the default policy (the 159 BatchNorm
-  statistics tensors and 53 step counters are copied at ``snapshot()``: 0.2 MiB) against
+  buffers, 106 running statistics and 53 ``num_batches_tracked`` counters, 0.2 MiB, are
+  copied at ``snapshot()``) against
   ``lazy=("*",)`` (every tensor lazy, as before the eager copies existed);
 - ``capture``: time from ``snapshot()`` until every shard is in host memory (what the guard
   waits for at most), with and without ``verify_sources=True``.
