@@ -318,13 +318,7 @@ class _Core:
         thread, and the guard would then block the caller's thread (and loop) in the next
         optimizer step."""
         engine = self.engine
-        pending = engine.pending_captures()
-        if pending:
-            waits = [asyncio.shield(asyncio.wrap_future(f.captured)) for f in pending]
-            await asyncio.wait(waits)
-            for w in waits:  # a failure is the handle's and the policy's to report
-                if not w.cancelled():
-                    w.exception()
+        await _captures_done(engine.pending_captures())
         delay = 0.0005
         while engine.flights and engine.busy_for(flight.manifest):
             await asyncio.sleep(delay)
@@ -650,6 +644,23 @@ def _tags(tree: Any) -> set[str]:
     return found
 
 
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # a failure is the handle's and the policy's to report
+
+
+async def _captures_done(flights: Sequence[Flight]) -> None:
+    """Wait, on the caller's loop, until these captures are done, failed or not. Cancelling
+    the wait leaves the captures alone (``asyncio.wait`` cancels nothing, and nothing here
+    cancels the engine's futures)."""
+    if not flights:
+        return
+    waits = [asyncio.wrap_future(f.captured) for f in flights]
+    for w in waits:
+        w.add_done_callback(_retrieve)
+    await asyncio.wait(waits)
+
+
 def _optimizer_shape(opt: torch.optim.Optimizer) -> tuple[int, ...]:
     state = opt.state
     return (
@@ -866,13 +877,7 @@ class Checkpointer:
         """Wait until every pending capture is done (then the tensors may change). With
         ``on_failure="raise"``, raises a failure nobody has seen yet."""
         self._core.check_open()
-        pending = self._core.engine.pending_captures()
-        if pending:
-            waits = [asyncio.shield(asyncio.wrap_future(f.captured)) for f in pending]
-            await asyncio.wait(waits)
-            for w in waits:
-                if not w.cancelled():
-                    w.exception()  # retrieved; the policy below decides what is raised
+        await _captures_done(self._core.engine.pending_captures())
         self._core.report_failures()
 
     def guard(self, optimizer: Any, mode: GuardMode = "cpu", *, closure: bool | None = None) -> Any:
