@@ -617,6 +617,9 @@ class Engine:
         if self._failed_at(flight, 0):
             return
         flight.stats.capture_s = time.perf_counter() - flight.t_submit
+        # a flight may stay a long time behind a slow tier: it must not keep the state's
+        # tensors alive meanwhile (every capture job has returned; none reads them again)
+        flight.refs = ()
         if not flight.captured.done():
             flight.captured.set_result(None)
 

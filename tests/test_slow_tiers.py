@@ -7,8 +7,10 @@ can look at the pipeline while a tier call is still blocked, instead of timing i
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import warnings
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -208,3 +210,20 @@ async def test_a_full_arena_waits_or_skips_at_once(tmp_path: Path, mode: Any) ->
             await second.committed()
     assert await listed(FileTier(tmp_path / "f")) == ([1] if mode == "skip" else [1, 2])
 
+
+
+async def test_a_snapshot_held_up_by_a_tier_does_not_keep_the_tensors_alive(tmp_path: Path) -> None:
+    tiers, slow = chain(tmp_path, "second")
+    slow.hang("put_shard")
+    async with lazyckpt.Checkpointer(tiers, deadline=None, **SMALL) as ckpt:
+        try:
+            tensor = torch.randn(256, 256)
+            gone = weakref.ref(tensor)
+            handle = await ckpt.snapshot({"w": tensor}, step=1)
+            await asyncio.wait_for(handle.captured(), 30)
+            del tensor
+            gc.collect()
+            assert gone() is None  # the training may drop or replace it: the copy is enough
+        finally:
+            slow.heal()
+        await handle.committed()
