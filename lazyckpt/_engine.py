@@ -4,10 +4,12 @@ One ``Engine`` belongs to one Checkpointer. Everything here runs on the engine's
 thread (``_loop.EngineLoop``) except the few methods marked *any thread*, which only touch
 thread-safe futures and a lock.
 
-A snapshot in flight is a :class:`Flight`. Its coroutine allocates an arena block for each
-shard in order (waiting when the arena is full: backpressure), and starts one *shard flow*
-per shard: capture into the block, then checksum the block, then put on each durable tier
-in chain order. The snapshot counts as captured (the guard lets the optimizer go on) once
+A snapshot in flight is a :class:`Flight`. Its coroutine starts each durable tier's
+``begin`` for the step, allocates an arena block for each shard in order (waiting when the
+arena is full: backpressure), and starts one *shard flow* per shard: capture into the
+block, then checksum the block, then put on each durable tier in chain order, each put
+waiting for that tier's ``begin``. Nothing a tier does is in front of a capture, so a slow
+or hung tier holds training up only once the arena is full. The snapshot counts as captured (the guard lets the optimizer go on) once
 every shard is copied; the checksums follow on a pool of their own, off that critical path,
 and no tier sees a shard before its checksum is known. Each shard
 state change goes through the state table (``_state``); the flow never decides a rule
