@@ -9,11 +9,13 @@ A snapshot in flight is a :class:`Flight`. Its coroutine starts each durable tie
 arena is full: backpressure), and starts one *shard flow* per shard: capture into the
 block, then checksum the block, then put on each durable tier in chain order, each put
 waiting for that tier's ``begin``. Nothing a tier does is in front of a capture, so a slow
-or hung tier holds training up only once the arena is full. The snapshot counts as captured (the guard lets the optimizer go on) once
-every shard is copied; the checksums follow on a pool of their own, off that critical path,
-and no tier sees a shard before its checksum is known. Each shard
-state change goes through the state table (``_state``); the flow never decides a rule
-itself. When the last shard reaches a tier, that tier commits the snapshot's manifest.
+or hung tier holds training up only once the arena is full. The snapshot counts as
+captured (the guard lets the optimizer go on) once every shard is copied; the checksums
+follow on a pool of their own, off that critical path, and no tier sees a shard before its
+checksum is known. Each shard state change goes through the state table (``_state``); the
+flow never decides a rule itself. When the last shard reaches a tier, that tier commits the
+snapshot's manifest. On a host-only chain the host tier is the last one: a snapshot takes
+its arena space whole and counts as committed only if the host tier keeps it.
 
 Every task belongs to the engine's task group; failures are recorded on the flight, raised
 from its handle, and queued to be raised by the next ``snapshot()``/guard/``aclose()``.
