@@ -131,8 +131,10 @@ class Flight:
         self.stats = SnapshotStats(step=manifest.step, bytes=manifest.tensor_bytes, shards=n)
         # per durable tier: its begin(), running beside the capture; True once it succeeded
         self.begun: list[asyncio.Task[bool]] = []
-        # a host-only chain: the blocks this snapshot keeps, held until it commits or fails
+        # a host-only chain: the blocks this snapshot keeps, held until it commits or fails,
+        # and whether it is finished (its blocks are given back in step order)
         self.kept: list[Block] = []
+        self.finished = False
         self.captured: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.reached: dict[str, concurrent.futures.Future[None]] = {
             name: concurrent.futures.Future() for name in tier_names
@@ -207,6 +209,7 @@ class Engine:
         self._retention_locks: list[asyncio.Lock] = []
         self._retention_queued: list[bool] = []
         self._kept_order: asyncio.Lock | None = None
+        self._kept_queue: list[Flight] = []  # host-only chain: started flights, step order
         self.closed = False
         self.opened = False
         self.skipped = 0
@@ -361,6 +364,8 @@ class Engine:
             self._finish_failed(flight, CheckpointerClosedError("the Checkpointer was closed"), 0)
             return
         self.flights[flight.step] = flight
+        if self.host_last:
+            self._kept_queue.append(flight)
         for queue in self._queues[1:]:
             queue.put_nowait(flight)
         self._tg.create_task(self._run_flight(flight), name=f"lazyckpt-step-{flight.step}")
@@ -809,14 +814,22 @@ class Engine:
             flight.done.set()
 
     def _settle_kept(self, flight: Flight) -> None:
-        """Give a host-only chain's snapshot blocks back: evictable once it is committed
-        (newer snapshots may then take the space, oldest first), free if it failed."""
-        kept, flight.kept = flight.kept, []
-        for block in kept:
-            if flight.failed_from is None:
-                self._release(block, block)
-            else:
+        """Give a host-only chain's snapshot blocks back: free at once if it failed;
+        evictable once it is committed, in step order, so that the arena, which evicts
+        the blocks made evictable first, always evicts the oldest committed snapshot
+        first (snapshots may commit out of order)."""
+        if not self.host_last:
+            return
+        flight.finished = True
+        if flight.failed_from is not None:
+            kept, flight.kept = flight.kept, []
+            for block in kept:
                 self.arena.release(block)
+        while self._kept_queue and self._kept_queue[0].finished:
+            done = self._kept_queue.pop(0)
+            kept, done.kept = done.kept, []
+            for block in kept:
+                self._release(block, block)
 
     def _record(self, flight: Flight) -> None:
         if not flight.recorded:
