@@ -811,6 +811,13 @@ class Engine:
                         )
                 if flight.failed_from == 0 and self.staging is not None:
                     self.staging.forget(flight.step)
+                if flight.failed_from >= 1 and self.host is not None and not self.host_last:
+                    # the host tier's copy is a convenience: a snapshot that failed on a
+                    # durable tier must not be listed (or restored) through it
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(
+                            self._guarded(0, "drop failed", partial(self.host.delete, flight.step))
+                        )
                 failed = [self.stage_names[k] for k in range(flight.failed_from, len(self.stage_names))]
                 error = SnapshotFailedError(
                     f"snapshot of step {flight.step} failed on {failed}: "
