@@ -233,7 +233,8 @@ class LazyCheckpointIO(_Bases):
         self._newest: int | None = None  # newest step in the store or snapshotted here
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._jobs: list[concurrent.futures.Future[None]] = []
-        self._guarded = False
+        self._guarded = False  # registered as a callback: its hook guards the optimizer step
+        self._training = False  # between on_train_start and on_train_end
         self._warned_unguarded = False
         self._fallback: Any = None
 
@@ -323,8 +324,10 @@ class LazyCheckpointIO(_Bases):
             log.warning("lazyckpt: checkpoint %r skipped (pipeline busy, when_busy='skip')", path)
             return
         self._newest = step
-        if not self._guarded:
-            if not self._warned_unguarded:
+        if not (self._guarded and self._training):
+            # no optimizer-step hook will wait for this capture (outside fit, or no
+            # callback): wait for it here so the caller may change the tensors at once
+            if not self._guarded and not self._warned_unguarded:
                 self._warned_unguarded = True
                 warnings.warn(
                     "LazyCheckpointIO is not registered as a callback, so each save waits "
@@ -516,6 +519,15 @@ class LazyCheckpointIO(_Bases):
                 "drop it and let ModelCheckpoint delete"
             )
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """From here on the optimizer-step hook waits for captures."""
+        self._training = True
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Saves after training (``trainer.save_checkpoint`` by hand) wait for their capture."""
+        self._training = False
+        self._drain()
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """After backward, before the update: wait for pending captures of the parameters
         and optimizer state, which the update is about to change."""
@@ -528,4 +540,5 @@ class LazyCheckpointIO(_Bases):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Training failed: still let the saves already taken reach their tiers."""
+        self._training = False
         self._drain()
