@@ -345,6 +345,10 @@ class LazyCheckpointIO(_Bases):
         """Map ``path`` to ``step`` and write its pointer once the step is committed."""
         with self._lock:
             previous = self._paths.get(path)
+        if previous is None:
+            with contextlib.suppress(OSError, LazyCkptError):
+                previous = read_pointer(path)  # a pointer from an earlier run, overwritten
+        with self._lock:
             self._paths[path] = step
             if self._writer is None:
                 self._writer = concurrent.futures.ThreadPoolExecutor(
@@ -353,7 +357,7 @@ class LazyCheckpointIO(_Bases):
             self._jobs = [j for j in self._jobs if not j.done()]
             self._jobs.append(self._writer.submit(self._commit_path, path, step, handle))
         if previous is not None and previous != step:
-            self._release(previous)  # the path now names a newer step
+            self._release(previous, os.path.dirname(path))  # the path names a newer step now
 
     def _commit_path(self, path: str, step: int, handle: SnapshotHandle | None) -> None:
         """Writer thread: wait for ``step`` to be durable, then write ``path``'s pointer."""
@@ -367,14 +371,17 @@ class LazyCheckpointIO(_Bases):
                 if self._paths.get(path) == step:
                     del self._paths[path]
             return
-        with self._lock:
-            self._pending.pop(step, None)
-            wanted = self._paths.get(path) == step
         try:
-            if wanted:
-                _write_pointer(path, step)
-            else:
-                self._release(step)  # removed while in flight: delete it now that it landed
+            with self._lock:
+                self._pending.pop(step, None)
+                # under the lock, so that remove_checkpoint sees either no pointer and no
+                # mapping, or both (and removes the file)
+                wanted = self._paths.get(path) == step
+                if wanted:
+                    _write_pointer(path, step)
+            if not wanted:
+                # removed (or remapped) while in flight: delete it now that it landed
+                self._release(step, os.path.dirname(path))
         except Exception:
             log.exception("lazyckpt: could not write the pointer %r to step %d", path, step)
 
@@ -424,28 +431,35 @@ class LazyCheckpointIO(_Bases):
             if fs.exists(path):
                 fs.rm(path)
             if step is not None:
-                self._release(step, also_in=os.path.dirname(path))
+                self._release(step, os.path.dirname(path))
         except Exception:
             log.exception("lazyckpt: could not remove checkpoint %r; training continues", path)
 
-    def _release(self, step: int, also_in: str | None = None) -> None:
-        """Delete ``step`` if no path names it any more and it is not in flight."""
+    def _release(self, step: int, directory: str) -> None:
+        """Delete ``step`` if no path names it any more and it is not in flight; pointers
+        from earlier runs (not in this object's map) are looked for in ``directory``."""
         with self._lock:
             if step in self._paths.values() or step in self._pending:
                 return
-        if also_in is not None and self._named_in(also_in, step):
+        if self._named_in(directory, step):
             return
         # already gone is fine: a tier's retention, or another path's removal
         with contextlib.suppress(SnapshotNotFoundError):
             self.checkpointer.delete(step)
 
-    @staticmethod
-    def _named_in(directory: str, step: int) -> bool:
-        """Whether a pointer file in ``directory`` (from an earlier run) names ``step``."""
-        fs = _filesystem(directory or ".")
-        if not fs.isdir(directory or "."):
+    def _named_in(self, directory: str, step: int) -> bool:
+        """Whether a pointer file in ``directory`` that this object has not mapped (one from
+        an earlier run) names ``step``; a mapped path's pointer may be stale until its new
+        step commits, so the map is what counts for it."""
+        where = directory or "."
+        fs = _filesystem(where)
+        if not fs.isdir(where):
             return False
-        for entry in fs.ls(directory or ".", detail=False):
+        with self._lock:
+            mapped = {os.path.abspath(p) for p in self._paths}
+        for entry in fs.ls(where, detail=False):
+            if os.path.abspath(entry) in mapped:
+                continue
             with contextlib.suppress(OSError, LazyCkptError):
                 if read_pointer(entry) == step:
                     return True

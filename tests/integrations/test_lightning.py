@@ -103,6 +103,7 @@ def test_resume_from_lazyckpt_continues_bit_identically(tmp_path: Path) -> None:
     trainer(tmp_path, epochs=4, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(
         resumed, ckpt_path=str(ckpts / "last.ckpt")
     )
+    assert io.checkpointer.steps() == [4, 8, 12, 16]  # save_top_k=-1: every step stays
     io.close()
     assert resumed.losses == straight.losses[2 * BATCHES :]
     for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
@@ -219,6 +220,17 @@ def test_path_appears_only_once_the_step_is_durable(tmp_path: Path) -> None:
     io.remove_checkpoint(path)
     assert not path.exists() and io.checkpointer.steps() == []
     io.close()
+
+
+def test_a_step_no_path_names_any_more_is_deleted(tmp_path: Path) -> None:
+    path = tmp_path / "ckpts" / "last.ckpt"
+    for step in (1, 2):  # two runs, each with its own object, overwriting the same path
+        with LazyCheckpointIO(chain(tmp_path)) as io:
+            io._guarded = io._training = True  # as inside fit, with the callback
+            io.save_checkpoint({"global_step": step, "w": torch.full((3,), step)}, path)
+            io.teardown()
+            assert read_pointer(str(path)) == step
+            assert io.checkpointer.steps() == [step]
 
 
 def test_plain_checkpoint_files_still_load(tmp_path: Path) -> None:
