@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 try:
     import pytorch_lightning as pl
 except ImportError:
-    import lightning.pytorch as pl  # the unified package
+    import lightning.pytorch as pl  # type: ignore[no-redef]  # the unified package
 
 from lazyckpt.integrations.lightning import LazyCheckpointIO
 from tiers import FileTier, HostMemoryTier

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,7 @@ def model(seed: int = 0) -> Any:
         vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2  # dropout 0.1 stays on
     )
     m = transformers.GPT2LMHeadModel(config)
-    m.losses = []  # type: ignore[assignment]
+    m.losses = []
     m.register_forward_hook(lambda mod, _i, out: mod.losses.append(out.loss.item()) if mod.training else None)
     return m
 
@@ -93,6 +95,7 @@ def test_resume_continues_bit_identically(tmp_path: Path) -> None:
         with LazyCheckpointCallback(chain(tmp_path)) as cb:
             resumed = model(seed=step)  # other initial weights
             folder = cb.checkpoint_dir(step)
+            assert folder is not None
             t = train(tmp_path / f"r{step}", resumed, [cb], resume=folder)
         assert resumed.losses == straight.losses[step:], step
         for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
@@ -137,3 +140,15 @@ def test_failed_snapshot_does_not_stop_training(tmp_path: Path, caplog: pytest.L
         train(tmp_path, m, [cb], num_train_epochs=1)
     assert len(m.losses) == SAMPLES // BATCH
     assert "FAILED" in caplog.text
+
+
+@pytest.mark.slow
+def test_example_hf_trainer_runs() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300,
+        cwd=example.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "lazyckpt steps: [4, 8, 12]" in out.stdout
+    assert "losses identical bit for bit" in out.stdout

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +14,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-pl = pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed")
+pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed")
 
-from lazyckpt import ConfigurationError, SyncCheckpointer  # noqa: E402
-from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer  # noqa: E402
-from lazyckpt.testing import FaultyTier  # noqa: E402
-from tiers import FileTier, HostMemoryTier  # noqa: E402
+import pytorch_lightning as pl
+
+from lazyckpt import ConfigurationError, SyncCheckpointer
+from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
+from lazyckpt.testing import FaultyTier
+from tiers import FileTier, HostMemoryTier
 
 pytestmark = [
     # Lightning's advice for real runs (more data-loader workers, logging intervals) is noise here
@@ -239,3 +243,15 @@ def test_plain_checkpoint_files_still_load(tmp_path: Path) -> None:
     io = LazyCheckpointIO(chain(tmp_path))
     assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(3))
     io.close()
+
+
+@pytest.mark.slow
+def test_example_lightning_train_runs() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "lightning_train.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300,
+        cwd=example.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "last.ckpt              -> lazyckpt step 16" in out.stdout
+    assert "losses identical bit for bit" in out.stdout
