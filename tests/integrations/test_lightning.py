@@ -105,7 +105,7 @@ def test_resume_from_lazyckpt_continues_bit_identically(tmp_path: Path) -> None:
     io = LazyCheckpointIO(chain(tmp_path))
     resumed = Tiny(seed=123)
     trainer(tmp_path, epochs=4, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(
-        resumed, ckpt_path=str(ckpts / "last.ckpt")
+        resumed, ckpt_path="last"
     )
     assert io.checkpointer.steps() == [4, 8, 12, 16]  # save_top_k=-1: every step stays
     io.close()
