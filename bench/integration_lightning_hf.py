@@ -12,7 +12,8 @@ Trainer, lazyckpt against each framework's default, side by side in one run.
 Each step is timed from its start to the next step's start, so a save at the end of a step
 is in that step. ``per checkpoint`` is what a checkpoint adds to the loop: the median of
 (the saving step + the step after it, where a lazy capture overlaps and the guard may
-wait) minus two median steps of the run without checkpoints. ``save call`` is the time
+wait) minus two median steps away from checkpoints in the same runs; the run without
+checkpoints, measured the same way, gives the noise floor. ``save call`` is the time
 spent inside the framework's save call itself; ``guard`` the time lazyckpt's
 optimizer-step hook waited for a capture. ``drain`` is what the end of training waited for
 lazyckpt's last snapshots to become durable (outside the loop; the default savers have
@@ -20,19 +21,27 @@ nothing left to wait for, although ``torch.save`` leaves its bytes in the page c
 unsynced, while lazyckpt's file tier fsyncs). Methods alternate within each repetition;
 figures are medians over repetitions.
 
-    python bench/integration_lightning_hf.py                # 16 MiB models, 2 repetitions
+    python bench/integration_lightning_hf.py                # 32 MiB models, 2 repetitions
     python bench/integration_lightning_hf.py --mb 4 --reps 1 --only hf
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
+# Before torch loads OpenMP: on a machine whose cores are shared with other work, OpenMP's
+# default spin-waiting makes every step many times slower, and how much depends on how many
+# threads run torch operations (lazyckpt's copy threads change it). Passive waiting takes
+# that artefact out of the comparison; ``--spin`` puts it back.
+if "--spin" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import datetime as dt
 import json
 import logging
-import os
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -163,10 +172,10 @@ def hf_run(method: str, root: Path, width: int, batch: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=512, n_positions=64, n_embd=width, n_layer=4, n_head=8
+        vocab_size=512, n_positions=16, n_embd=width, n_layer=4, n_head=8
     )
     model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, 512, (STEPS * batch, 64))
+    ids = torch.randint(0, 512, (STEPS * batch, 16))
     data = [{"input_ids": r, "labels": r} for r in ids]
     callbacks: list[Any] = [Marks()]
     cb: Any = None
@@ -280,7 +289,7 @@ def TimedLazyCallback(cls: type) -> Callable[..., Any]:
 
 def arena_bytes(width: int, hf: bool = False) -> int:
     """Host memory for two snapshots of the model and its AdamW state, with room."""
-    params = (4 * width * width + 16 * width * width + 64 * width) if hf else 3 * width * width
+    params = (48 * width * width + 600 * width) if hf else 3 * width * width
     return max(64 << 20, int(params * 4 * 3 * 2.5))
 
 
@@ -289,18 +298,18 @@ def arena_bytes(width: int, hf: bool = False) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mb", type=float, default=16, help="model parameters, MiB (fp32)")
+    ap.add_argument("--mb", type=float, default=32, help="model parameters, MiB (fp32)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--only", choices=["lightning", "hf"], default=None)
     ap.add_argument("--tmp", default=None, help="scratch parent (default: runs/)")
+    ap.add_argument("--spin", action="store_true", help="keep OpenMP's default spin-waiting")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     a = ap.parse_args()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     progress = Progress()
-    # Lightning: 3 square layers; HF GPT-2 with 4 layers: ~12 width^2 + embeddings
+    # Lightning: 3 square layers (3 width^2); GPT-2 with 4 layers: 12 width^2 each
     pl_width = int((a.mb * 2**20 / 4 / 3) ** 0.5) // 64 * 64
-    hf_width = int((a.mb * 2**20 / 4 / 12.5) ** 0.5) // 64 * 64
+    hf_width = int((a.mb * 2**20 / 4 / 48) ** 0.5) // 64 * 64
     suites: dict[str, tuple[Callable[..., dict[str, Any]], list[str], int]] = {
         "lightning": (lightning_run, ["none", "torch", "async", "lazyckpt"], pl_width),
         "hf": (hf_run, ["none", "trainer", "lazyckpt"], hf_width),
@@ -308,6 +317,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "machine": machine_info(), "load_start": loadavg(), "mb": a.mb, "steps": STEPS,
         "every": EVERY, "reps": a.reps, "date": dt.datetime.now(dt.UTC).isoformat(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
     }
     for suite, (run, methods, width) in suites.items():
         if a.only and a.only != suite:
@@ -320,7 +330,12 @@ def main() -> int:
                 runs[method].append(r)
             progress(f"{suite} {method:9s} rep {rep}: loop {r['loop_s']:.2f}s "
                      f"save {r.get('save_call_s', 0):.2f}s drain {r['drain_s']:.2f}s")
-        result[suite] = {"width": width, "runs": runs, "summary": summarize(runs)}
+        params = 3 * width * width if suite == "lightning" else 48 * width * width
+        result[suite] = {
+            "width": width, "param_mib": round(params * 4 / 2**20, 1),
+            "checkpoint_mib": round(3 * params * 4 / 2**20, 1),  # with AdamW's two moments
+            "runs": runs, "summary": summarize(runs),
+        }
     result["load_end"] = loadavg()
     print(table(result))
     out = Path(a.out)
@@ -332,33 +347,32 @@ def main() -> int:
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Per method: the median step, and what a checkpoint adds to the loop: the step that
-    saves and the one after it (where a lazy capture overlaps, and the guard may wait),
-    above two median steps without checkpoints. Medians resist a shared machine's noise."""
-    saving = {k for k in range(EVERY, STEPS + 1, EVERY)}  # 1-based steps that end in a save
-    plain = [
-        d for r in runs["none"] for i, d in enumerate(r["steps_s"][1:], start=2)
-    ]
-    base = statistics.median(plain)
+    """Per method: the median step without a checkpoint nearby, and what a checkpoint adds
+    to the loop: the step that saves plus the one after it (where a lazy capture overlaps
+    and the guard may wait), minus two median steps of the same runs. Comparing within a
+    run keeps the shared machine's drifts between runs out; the ``none`` row, measured the
+    same way at the same steps, is the noise floor."""
+    saving = set(range(EVERY, STEPS + 1, EVERY))  # 1-based steps that end in a save
     out = {}
     for method, rs in runs.items():
         quiet = [
             d for r in rs for i, d in enumerate(r["steps_s"][1:], start=2)
             if i not in saving and i - 1 not in saving
         ]
+        pairs = [
+            r["steps_s"][k - 1] + r["steps_s"][k] for r in rs for k in sorted(saving)
+            if k < len(r["steps_s"])
+        ]
+        step = statistics.median(quiet)
         row = {
-            "step_s": statistics.median(quiet),
+            "step_s": step,
+            "per_checkpoint_s": statistics.median(pairs) - 2 * step,
             "loop_s": statistics.median(r["loop_s"] for r in rs),
             "drain_s": statistics.median(r["drain_s"] for r in rs),
         }
         saves = rs[0].get("saves", 0)
         if saves:
-            pairs = [
-                r["steps_s"][k - 1] + r["steps_s"][k] for r in rs for k in sorted(saving)
-                if k < len(r["steps_s"])
-            ]
             row["saves"] = saves
-            row["per_checkpoint_s"] = statistics.median(pairs) - 2 * base
             row["save_call_s"] = statistics.median(r["save_call_s"] / saves for r in rs)
         if "guard_s" in rs[0]:
             row["guard_s"] = statistics.median(r["guard_s"] / saves for r in rs)
@@ -372,7 +386,8 @@ def table(result: dict[str, Any]) -> str:
         if suite not in result:
             continue
         lines += [
-            f"\n{suite} (width {result[suite]['width']}, {STEPS} steps, a checkpoint every {EVERY})",
+            f"\n{suite} (width {result[suite]['width']}: checkpoints of "
+            f"~{result[suite]['checkpoint_mib']} MiB every {EVERY} of {STEPS} steps)",
             "| method | median step s | per checkpoint s | save call s | guard s | drain s |",
             "|---|---|---|---|---|---|",
         ]

@@ -202,6 +202,12 @@ class LazyCheckpointCallback(TrainerCallback):
             raise SnapshotNotFoundError(
                 f"lazyckpt step {step} was not written by LazyCheckpointCallback"
             )
+        if self._newest is not None and step < self._newest:
+            log.warning(
+                "lazyckpt: resuming from step %d while the store holds up to step %d: "
+                "snapshots of steps up to %d will be refused (steps only increase) unless "
+                "the newer steps are deleted", step, self._newest, self._newest,
+            )
         root = tempfile.mkdtemp(prefix="lazyckpt-resume-", dir=dir)
         self._resume_dirs.append(root)
         folder = os.path.join(root, f"checkpoint-{step}")

@@ -414,6 +414,12 @@ class LazyCheckpointIO(_Bases):
             ) from exc
         with self._lock:
             self._paths.setdefault(path, step)
+        if self._newest is not None and step < self._newest:
+            log.warning(
+                "lazyckpt: resuming from step %d while the store holds up to step %d: saves "
+                "of steps up to %d will be refused (steps only increase) unless the newer "
+                "steps are deleted", step, self._newest, self._newest,
+            )
         if not isinstance(state, dict):
             raise SnapshotNotFoundError(f"step {step} ({path!r}) is not a Lightning checkpoint")
         decoded: dict[str, Any] = _decode_keys(state)
@@ -505,6 +511,10 @@ class LazyCheckpointIO(_Bases):
             strategy.checkpoint_io = self
         self._guarded = True
         self._check_retention(trainer)
+        if trainer.is_global_zero and stage == "fit":
+            # open now (arena allocated and pre-faulted, tiers opened) rather than inside
+            # the first save; other ranks only load, and open when they do
+            _ = self.checkpointer
 
     def _check_retention(self, trainer: Any) -> None:
         durable = [t for t in self._tiers if t.level != TierLevel.HOST]
