@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("accelerate", reason="accelerate is not installed")
 
-from lazyckpt import SyncCheckpointer  # noqa: E402
+from lazyckpt import ConfigurationError, SyncCheckpointer  # noqa: E402
 from lazyckpt.integrations.huggingface import LazyCheckpointCallback  # noqa: E402
 from lazyckpt.testing import FaultyTier  # noqa: E402
 from tiers import FileTier, HostMemoryTier  # noqa: E402
@@ -152,3 +152,16 @@ def test_example_hf_trainer_runs() -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "lazyckpt steps: [4, 8, 12]" in out.stdout
     assert "losses identical bit for bit" in out.stdout
+
+
+def test_load_best_model_at_end_needs_the_trainers_folders(tmp_path: Path) -> None:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), load_best_model_at_end=True, eval_strategy="steps",
+        eval_steps=2, save_steps=2, report_to=[], use_cpu=True, max_steps=2,
+    )
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        trainer = transformers.Trainer(
+            model=model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(), callbacks=[cb]
+        )
+        with pytest.raises(ConfigurationError, match="keep_trainer_save"):
+            trainer.train()

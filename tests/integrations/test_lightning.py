@@ -255,3 +255,23 @@ def test_example_lightning_train_runs() -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "last.ckpt              -> lazyckpt step 16" in out.stdout
     assert "losses identical bit for bit" in out.stdout
+
+
+def test_keys_lazyckpt_would_refuse_round_trip(tmp_path: Path) -> None:
+    odd = {
+        "global_step": 5,
+        "by_path": {"/abs/epoch=1.ckpt": torch.tensor(0.5), "": torch.ones(2), "..": [1, (2, 3)]},
+        "lazyckpt.items": {"x": torch.zeros(1)},
+        "ints": {0: {"exp_avg": torch.arange(3)}},
+    }
+    with LazyCheckpointIO(chain(tmp_path)) as io:
+        io._guarded = io._training = True
+        io.save_checkpoint(odd, tmp_path / "odd.ckpt")
+        io.teardown()
+        back = io.load_checkpoint(tmp_path / "odd.ckpt")
+    assert back.keys() == odd.keys()
+    assert list(back["by_path"]) == ["/abs/epoch=1.ckpt", "", ".."]
+    assert torch.equal(back["by_path"]["/abs/epoch=1.ckpt"], torch.tensor(0.5))
+    assert back["by_path"][".."] == [1, (2, 3)]
+    assert torch.equal(back["lazyckpt.items"]["x"], torch.zeros(1))
+    assert torch.equal(back["ints"][0]["exp_avg"], torch.arange(3))
