@@ -165,3 +165,17 @@ def test_load_best_model_at_end_needs_the_trainers_folders(tmp_path: Path) -> No
         )
         with pytest.raises(ConfigurationError, match="keep_trainer_save"):
             trainer.train()
+
+
+@pytest.mark.slow
+def test_resume_with_gradient_accumulation(tmp_path: Path) -> None:
+    # 2 micro-batches an update: 2 updates an epoch, snapshots at updates 2, 4, 6
+    straight = model()
+    train(tmp_path / "plain", straight, [], gradient_accumulation_steps=2)
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        train(tmp_path, model(), [cb], gradient_accumulation_steps=2)
+        assert cb.checkpointer.steps() == [2, 4, 6]
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        resumed = model(seed=5)
+        train(tmp_path / "r", resumed, [cb], gradient_accumulation_steps=2, resume=cb.checkpoint_dir(2))
+    assert resumed.losses == straight.losses[2 * 2 :]  # a loss per micro-batch
