@@ -14,7 +14,8 @@ state change goes through the state table (``_state``); the flow never decides a
 itself. When the last shard reaches a tier, that tier commits the snapshot's manifest.
 
 Every task belongs to the engine's task group; failures are recorded on the flight, raised
-from its handle, and queued to be raised by the next ``snapshot()``/guard/``aclose()``.
+from its handle, logged once, and queued for the failure policy (``on_failure="raise"``:
+the next ``snapshot()``, ``wait_captured()`` or ``aclose()`` raises it; never the guard).
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ class Engine:
         self.closed = False
         self.opened = False
         self.skipped = 0
+        self.failed = 0  # snapshots that failed (on any stage), for metrics
         self.rank = 0
         self.world_size = 1
         self.coordinator: Coordinator | None = None
@@ -397,7 +399,8 @@ class Engine:
             flight.failed_from = stage
         if not isinstance(exc, asyncio.CancelledError):
             flight.errors.append(exc)
-        log.warning(
+        # one warning per failed snapshot comes from _finish; the details are info
+        log.info(
             "snapshot of step %d failed on %s: %s",
             flight.step,
             self.stage_names[stage],
@@ -748,6 +751,14 @@ class Engine:
                     step=flight.step,
                     tiers=failed,
                 )
+                self.failed += 1
+                log.warning(
+                    "SNAPSHOT FAILED: step %d is not committed on %s (%d failed so far); "
+                    "training goes on: %s",
+                    flight.step, failed, self.failed,
+                    flight.errors[0] if flight.errors else "no cause recorded",
+                    extra={"step": flight.step, "tier": failed[0]},
+                )
                 self._finish_failed(flight, error, flight.failed_from)
         finally:
             self.flights.pop(flight.step, None)
@@ -761,6 +772,11 @@ class Engine:
             del self.history[:-1000]
 
     def _finish_failed(self, flight: Flight, error: LazyCkptError, stage: int) -> None:
+        # queued before any waiter wakes: one woken by the futures below (wait_captured)
+        # then finds the failure to report
+        with self._lock:
+            if not flight.reported:
+                self._unreported.append(error)
         if stage == 0 and not flight.captured.done():
             flight.captured.set_exception(error)
         elif not flight.captured.done():
@@ -769,9 +785,6 @@ class Engine:
             fut = flight.reached[name]
             if k >= stage and not fut.done():
                 fut.set_exception(error)
-        with self._lock:
-            if not flight.reported:
-                self._unreported.append(error)
         flight.done.set()
 
     # -- metrics ---------------------------------------------------------------------------
@@ -798,6 +811,7 @@ class Engine:
             "shards_in_flight": states,
             "snapshots_in_flight": len(self.flights),
             "snapshots_skipped": self.skipped,
+            "snapshots_failed": self.failed,
             "arena": {
                 "capacity": arena.capacity,
                 "held": arena.held,
