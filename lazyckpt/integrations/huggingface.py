@@ -144,6 +144,7 @@ class LazyCheckpointCallback(TrainerCallback):
         self._handles: list[SnapshotHandle] = []
         self._newest: int | None = None
         self._resume_dirs: list[str] = []
+        self._guard: Any = None  # the optimizer's step-hook handle while training
 
     # -- the checkpointer ------------------------------------------------------------------
 
@@ -241,9 +242,20 @@ class LazyCheckpointCallback(TrainerCallback):
         self._due = False
         if args.should_save:
             try:
-                _ = self.checkpointer
+                ckpt = self.checkpointer
             except LazyCkptError:
                 log.exception("lazyckpt: could not open the tiers; training continues unsaved")
+                return
+            try:
+                # the guard waits at the same point as on_pre_optimizer_step; registering
+                # the optimizer tells lazyckpt which tensors only its step changes (those
+                # are captured lazily; small others are copied at the snapshot)
+                self._guard = ckpt.guard(kw["optimizer"])
+            except LazyCkptError:
+                log.exception(
+                    "lazyckpt: could not guard the optimizer; on_pre_optimizer_step still "
+                    "waits for captures, and small tensors are copied at each snapshot"
+                )
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -295,6 +307,9 @@ class LazyCheckpointCallback(TrainerCallback):
         """Snapshot a save due from the last step, then wait until every snapshot is
         committed (so ``train()`` returns with its checkpoints durable)."""
         self._snapshot_if_due(state, control, kw)
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         self._drain()
         self._remove_resume_dirs()
 

@@ -235,6 +235,7 @@ class LazyCheckpointIO(_Bases):
         self._jobs: list[concurrent.futures.Future[None]] = []
         self._guarded = False  # registered as a callback: its hook guards the optimizer step
         self._training = False  # between on_train_start and on_train_end
+        self._guards: list[Any] = []  # the optimizers' step-hook handles while training
         self._warned_unguarded = False
         self._fallback: Any = None
 
@@ -544,12 +545,24 @@ class LazyCheckpointIO(_Bases):
             )
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """From here on the optimizer-step hook waits for captures."""
+        """From here on the optimizer-step hook waits for captures. The optimizers are
+        also guarded (:meth:`~lazyckpt.SyncCheckpointer.guard`, waiting after Lightning's
+        closure, as the hook does), which tells lazyckpt which tensors only an optimizer
+        step changes: those are captured lazily, small others are copied at the save."""
         self._training = True
+        if self._opened and not self._closed:
+            for opt in trainer.optimizers:
+                self._guards.append(self._ckpt.guard(opt))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Saves after training (``trainer.save_checkpoint`` by hand) wait for their capture."""
+        self._end_training()
+
+    def _end_training(self) -> None:
         self._training = False
+        for handle in self._guards:
+            handle.remove()
+        self._guards.clear()
         self._drain()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -564,5 +577,4 @@ class LazyCheckpointIO(_Bases):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Training failed: still let the saves already taken reach their tiers."""
-        self._training = False
-        self._drain()
+        self._end_training()
