@@ -827,11 +827,16 @@ class Engine:
                     tiers=failed,
                 )
                 self.failed += 1
+                # one warning per snapshot, however many of its shards failed: the first
+                # failure and a count of the others (each of them was logged at INFO)
+                others = len(flight.errors) - 1
                 log.warning(
                     "SNAPSHOT FAILED: step %d is not committed on %s (%d failed so far); "
-                    "training goes on: %s",
+                    "training goes on: %s%s",
                     flight.step, failed, self.failed,
                     flight.errors[0] if flight.errors else "no cause recorded",
+                    f" (and {others} more failure{'s' if others > 1 else ''} of this snapshot)"
+                    if others > 0 else "",
                     extra={"step": flight.step, "tier": failed[0]},
                 )
                 self._finish_failed(flight, error, flight.failed_from)
