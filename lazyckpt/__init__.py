@@ -26,6 +26,7 @@ from ._errors import (
     LazyCkptError,
     SnapshotFailedError,
     SnapshotNotFoundError,
+    StateMismatchError,
     TierBrokenError,
     TierClosedError,
     TierError,
@@ -40,7 +41,7 @@ from ._metrics import (
     export_prometheus,
     install_log_context,
 )
-from ._restore import VerifyReport
+from ._restore import VerifyReport, strip_prefix
 from ._state import ShardState, TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,
@@ -83,6 +84,7 @@ __all__ = [
     "SnapshotSkippedError",
     "SnapshotSkippedWarning",
     "SnapshotStats",
+    "StateMismatchError",
     "Stateful",
     "StepTierAdapter",
     "StepTierFilter",
@@ -102,5 +104,6 @@ __all__ = [
     "export_prometheus",
     "install_log_context",
     "load_tier",
+    "strip_prefix",
     "translate_os_error",
 ]

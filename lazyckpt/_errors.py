@@ -7,7 +7,8 @@ catch everything the library means with one ``except``. A backend's own exceptio
 
     LazyCkptError
     ├── ConfigurationError        you asked for something that cannot work (bad arguments)
-    │   └── UnsupportedStateError a state that cannot be checkpointed (sparse tensor, pickle refused)
+    │   ├── UnsupportedStateError a state that cannot be checkpointed (sparse tensor, pickle refused)
+    │   └── StateMismatchError    restore(into=...) names keys the snapshot does not have
     ├── InvalidTransitionError    a shard was moved against the state table (a bug, never your fault)
     ├── ImmutabilityViolationError a tensor changed in place before its capture finished
     ├── CorruptionError           stored bytes or a manifest fail their checksum or do not parse
@@ -35,6 +36,7 @@ __all__ = [
     "LazyCkptError",
     "SnapshotFailedError",
     "SnapshotNotFoundError",
+    "StateMismatchError",
     "TierBrokenError",
     "TierClosedError",
     "TierError",
@@ -53,6 +55,23 @@ class ConfigurationError(LazyCkptError, ValueError):
 
 class UnsupportedStateError(ConfigurationError, TypeError):
     """Part of the state cannot be checkpointed as given; the message names its key."""
+
+
+class StateMismatchError(ConfigurationError):
+    """The keys of a ``restore(into=...)`` target do not match the snapshot's.
+
+    Raised before anything is loaded. ``key`` is the path of the mapping or module that
+    differs (``""`` for the top level), ``missing`` the keys the target has and the snapshot
+    lacks, ``unexpected`` the keys the snapshot has and the target lacks.
+    """
+
+    def __init__(
+        self, message: str, *, key: str, missing: Sequence[object], unexpected: Sequence[object]
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
 
 
 class InvalidTransitionError(LazyCkptError):
