@@ -10,6 +10,7 @@ from ._arena import ArenaStats, Block, HostArena
 from ._checkpointer import (
     Checkpointer,
     SnapshotHandle,
+    SnapshotInFlightError,
     SnapshotSkippedError,
     SnapshotSkippedWarning,
     SyncCheckpointer,
@@ -80,6 +81,7 @@ __all__ = [
     "ShardState",
     "SnapshotFailedError",
     "SnapshotHandle",
+    "SnapshotInFlightError",
     "SnapshotNotFoundError",
     "SnapshotSkippedError",
     "SnapshotSkippedWarning",

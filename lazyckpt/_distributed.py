@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -148,5 +149,23 @@ class Coordinator:
         await self.gather(0, None)
 
     def close(self) -> None:
+        """Stop the collective threads and destroy lazyckpt's own gloo groups, so that
+        none of their threads is alive when the process exits (gloo aborts the process,
+        "terminate called without an active exception", when one is torn down at exit).
+
+        A channel whose thread may still be inside a collective (one that timed out) is
+        left alone: destroying its group under it would be worse; the process group's own
+        shutdown takes it."""
+        import torch.distributed as dist
+
         for pool in self._threads:
             pool.shutdown(wait=False, cancel_futures=True)
+        for channel, (pool, group) in enumerate(zip(self._threads, self._groups, strict=True)):
+            if self._broken[channel] is not None:
+                continue
+            pool.shutdown(wait=True)  # idle after the drain: returns at once
+            if dist.is_available() and dist.is_initialized():
+                # the trainer may have destroyed every group already
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(group)
+        self._groups = []

@@ -197,6 +197,7 @@ class Engine:
         self.closed = False
         self.opened = False
         self.skipped = 0
+        self.failed = 0  # snapshots that failed (on any stage), for metrics
         self.rank = 0
         self.world_size = 1
         self.coordinator: Coordinator | None = None
@@ -397,7 +398,8 @@ class Engine:
             flight.failed_from = stage
         if not isinstance(exc, asyncio.CancelledError):
             flight.errors.append(exc)
-        log.warning(
+        # one warning per failed snapshot comes from _finish; the details are info
+        log.info(
             "snapshot of step %d failed on %s: %s",
             flight.step,
             self.stage_names[stage],
@@ -710,6 +712,16 @@ class Engine:
             with self._lock:
                 self._unreported.append(err)
 
+    async def delete_on_tier(self, tier: Tier, stage: int, step: int) -> None:
+        """Delete ``step`` on one tier for ``Checkpointer.delete`` (engine loop): under the
+        tier's retention lock, so no retention pass deletes it at the same time or lists it
+        half deleted."""
+        if stage == 0:
+            await self._guarded(0, f"delete step {step}", partial(tier.delete, step))
+            return
+        async with self._retention_locks[stage - 1]:
+            await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
+
     def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None:
         name = self.stage_names[stage]
         self.tier_bytes[name] += nbytes
@@ -738,6 +750,14 @@ class Engine:
                     step=flight.step,
                     tiers=failed,
                 )
+                self.failed += 1
+                log.warning(
+                    "SNAPSHOT FAILED: step %d is not committed on %s (%d failed so far); "
+                    "training goes on: %s",
+                    flight.step, failed, self.failed,
+                    flight.errors[0] if flight.errors else "no cause recorded",
+                    extra={"step": flight.step, "tier": failed[0]},
+                )
                 self._finish_failed(flight, error, flight.failed_from)
         finally:
             self.flights.pop(flight.step, None)
@@ -751,6 +771,11 @@ class Engine:
             del self.history[:-1000]
 
     def _finish_failed(self, flight: Flight, error: LazyCkptError, stage: int) -> None:
+        # queued before any waiter wakes: one woken by the futures below (wait_captured)
+        # then finds the failure to report
+        with self._lock:
+            if not flight.reported:
+                self._unreported.append(error)
         if stage == 0 and not flight.captured.done():
             flight.captured.set_exception(error)
         elif not flight.captured.done():
@@ -759,9 +784,6 @@ class Engine:
             fut = flight.reached[name]
             if k >= stage and not fut.done():
                 fut.set_exception(error)
-        with self._lock:
-            if not flight.reported:
-                self._unreported.append(error)
         flight.done.set()
 
     # -- metrics ---------------------------------------------------------------------------
@@ -788,6 +810,7 @@ class Engine:
             "shards_in_flight": states,
             "snapshots_in_flight": len(self.flights),
             "snapshots_skipped": self.skipped,
+            "snapshots_failed": self.failed,
             "arena": {
                 "capacity": arena.capacity,
                 "held": arena.held,
