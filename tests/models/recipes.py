@@ -269,11 +269,14 @@ class Compiled(Recipe):
     which takes half a minute on a small CPU) with dropout and AdamW."""
 
     VOCAB = 50
+    COMPILE = True
 
     def __init__(self, seed: int) -> None:
         super().__init__(seed)
         model = _Bigram(self.VOCAB)
-        compiled: Callable[..., Any] = torch.compile(model, backend="eager")
+        compiled: Callable[..., Any] = (
+            torch.compile(model, backend="eager") if self.COMPILE else model
+        )
         self.objects = {
             "model": compiled,
             "optim": torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -289,6 +292,13 @@ class Compiled(Recipe):
         o["optim"].step()
         o["optim"].zero_grad()
         return float(loss.item())
+
+
+class Uncompiled(Compiled):
+    """The same model, not compiled: restores a compiled run's snapshot (keys without the
+    ``_orig_mod.`` prefix) and continues it."""
+
+    COMPILE = False
 
 
 class FSDP2(Recipe):
@@ -354,5 +364,6 @@ RECIPES: dict[str, type[Recipe]] = {
     "convnet": ConvNet,
     "dataloader": DataLoaderRecipe,
     "compiled": Compiled,
+    "uncompiled": Uncompiled,
     "fsdp2": FSDP2,
 }

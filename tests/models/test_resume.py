@@ -49,11 +49,24 @@ def check(trained: dict[str, Any], resumed: dict[str, Any]) -> None:
     assert resumed["losses"] == trained["losses"][RESUME_AT + 1 :]
 
 
-@pytest.mark.parametrize("recipe", ["llama", "gpt2", "convnet", "dataloader", "compiled"])
-def test_resume_in_a_fresh_process_is_bit_identical(recipe: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "resumed_as"),
+    [
+        ("llama", "llama"),
+        ("gpt2", "gpt2"),
+        ("convnet", "convnet"),
+        ("dataloader", "dataloader"),
+        ("compiled", "compiled"),
+        ("compiled", "uncompiled"),  # _orig_mod. keys restored into the plain model
+    ],
+)
+def test_resume_in_a_fresh_process_is_bit_identical(
+    recipe: str, resumed_as: str, tmp_path: Path
+) -> None:
     root = tmp_path / "ckpt"
     run_worker([recipe, str(root), str(tmp_path / "trained.json"), str(STEPS)])
-    run_worker([recipe, str(root), str(tmp_path / "resumed.json"), str(STEPS), str(RESUME_AT)])
+    resume = [resumed_as, str(root), str(tmp_path / "resumed.json"), str(STEPS), str(RESUME_AT)]
+    run_worker(resume)
     trained = json.loads((tmp_path / "trained.json").read_text())
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     check(trained, resumed)
