@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +276,12 @@ def test_strip_prefix_renames_the_top_level_keys_only() -> None:
     assert out["a.weight"] is w
     with pytest.raises(ConfigurationError, match="both become 'x'"):
         lazyckpt.strip_prefix({"x": 1, "_orig_mod.x": 2}, "_orig_mod.")
+
+
+def test_the_trainer_state_example_resumes_bit_for_bit() -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "resume_trainer_state.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "resumed bit for bit" in done.stdout
