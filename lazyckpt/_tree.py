@@ -337,11 +337,11 @@ class _Walker:
             return [dtype.str, shape, {"$bytes": data}]
         # copied now: the copy is what the capture reads later, so no write to ``obj`` after
         # snapshot() returns can reach the checkpoint
-        flat = np.array(obj, order="C", copy=True).reshape(-1)
+        copy = np.array(obj, order="C", copy=True)
         if dtype.isnative and dtype.kind in "biufc":
-            t = torch.from_numpy(flat)
+            t = torch.from_numpy(copy)  # its own dtype and shape: export shows it as it is
         else:  # no torch dtype (strings, datetimes, other byte order): the raw bytes
-            t = torch.from_numpy(flat.view(np.uint8))
+            t = torch.from_numpy(copy.reshape(-1).view(np.uint8))
         return [dtype.str, shape, {"$tensor": self._add_tensor(t, key)}]
 
     def _encode_container(self, obj: Any, key: str) -> JSON:
@@ -531,7 +531,13 @@ class _Decoder:
             raise CorruptionError(f"bad torch generator node {value!r:.80}")
         if self.plain:
             return state
-        generator = torch.Generator(device=device)
+        try:
+            generator = torch.Generator(device=device)
+        except RuntimeError as exc:  # e.g. a CUDA generator restored where there is no GPU
+            raise UnsupportedStateError(
+                f"a torch.Generator saved on {device!r} cannot be rebuilt here ({exc}); "
+                "restore where that device exists"
+            ) from exc
         generator.set_state(state.detach().cpu())
         return generator
 

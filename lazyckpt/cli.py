@@ -478,6 +478,13 @@ def _build_nodes(node: JSON, name: str) -> _Node:
             return _Node(name, tensor=inner)
         if tag == "$stateful":
             return _build_nodes(inner, name)
+        # trainer state whose bytes are a tensor of the snapshot: shown as that tensor
+        if tag in ("$ndarray", "$generator") and isinstance(inner, list) and inner:
+            payload = inner[-1]
+            if isinstance(payload, dict) and type(payload.get("$tensor")) is int:
+                return _Node(name, tensor=payload["$tensor"])
+        if tag == "$dataclass" and isinstance(inner, list) and len(inner) == 2:
+            return _build_nodes(inner[1], name)
         if tag == "$tuple" and isinstance(inner, list):
             return _Node(name, [_build_nodes(v, str(i)) for i, v in enumerate(inner)])
         if tag == "$dict" and isinstance(inner, list):

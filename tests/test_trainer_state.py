@@ -285,3 +285,22 @@ def test_the_trainer_state_example_resumes_bit_for_bit() -> None:
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "resumed bit for bit" in done.stdout
+
+
+def test_inspect_shows_trainer_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lazyckpt.cli import EXIT_OK, main
+
+    state = {
+        "big": np.zeros((100, 50), dtype=np.float32),
+        "small": np.arange(3, dtype=np.int8),
+        "gen": torch.Generator().manual_seed(0),
+        "train": TrainState(2, 0.5, [], torch.zeros(3)),
+    }
+    with lazyckpt.SyncCheckpointer([FileTier(tmp_path)]) as ckpt:
+        ckpt.snapshot(state, step=1).wait()
+    assert main(["inspect", str(tmp_path)]) == EXIT_OK
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["big"].split()[1:5] == ["float32", "[100,", "50]", "19.5"]
+    assert "array([0, 1, 2], dtype=int8)" in rows["small"]
+    assert rows["gen"].split()[1:3] == ["uint8", "[5056]"]
+    assert rows["epoch"].split() == ["epoch", "=", "2"] and "train/" in rows
