@@ -508,33 +508,31 @@ def _key_of(node: JSON) -> Any:
     return node if isinstance(node, str) else decode_tree(node, [], allow_pickle=False)
 
 
-def _bare(key: str) -> str:
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key, stripped = key[len(prefix) :], True
-    return key
+# The whole prefixes a module's keys may carry: compiled, wrapped in DDP, or both (in either
+# order: DDP(torch.compile(m)) or torch.compile(DDP(m))).
+_PREFIX_CHAINS = ("", *WRAPPER_PREFIXES, "module._orig_mod.", "_orig_mod.module.")
 
 
 def _prefix_map(have: list[Any], want: list[Any]) -> dict[Any, Any] | None:
-    """How to rename ``have`` (the snapshot's keys) so that every key of ``want`` is there,
-    when wrapper prefixes are all that differs; None when they are not."""
+    """How to rename keys of ``have`` (the snapshot's) so that every key of ``want`` is there,
+    when one wrapper prefix in front of all of them is the difference; None when that is
+    not so, or when two different prefixes would both fit."""
     if not all(isinstance(k, str) for k in (*have, *want)):
         return None
-    by_bare: dict[str, str] = {}
-    for w in want:
-        if by_bare.setdefault(_bare(w), w) != w:
-            return None  # two target keys differ only by a prefix: ambiguous
-    mapping: dict[Any, Any] = {}
-    for h in have:
-        w = by_bare.get(_bare(h))
-        if w is not None:
-            if w in mapping.values():
-                return None
-            mapping[h] = w
-    return mapping if len(mapping) == len(want) else None
+    have_set, want_set = set(have), set(want)
+    found: dict[Any, Any] | None = None
+    for saved in _PREFIX_CHAINS:
+        for wanted in _PREFIX_CHAINS:
+            if saved == wanted or not all(w.startswith(wanted) for w in want):
+                continue
+            mapping = {saved + w[len(wanted) :]: w for w in want}
+            # a name taken by a key that stays as it is would then be there twice
+            clash = any(k in want_set and k not in mapping for k in have)
+            if mapping.keys() <= have_set and not clash:
+                if found is not None and found != mapping:
+                    return None
+                found = mapping
+    return found
 
 
 def _align(node: JSON, into: Any, path: str, renames: dict[str, str]) -> JSON:

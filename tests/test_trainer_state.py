@@ -13,9 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 import lazyckpt
 from lazyckpt import ConfigurationError, StateMismatchError, UnsupportedStateError
+from lazyckpt._restore import _prefix_map
 from lazyckpt._tree import INLINE_ARRAY_BYTES, DataclassValue
 from tiers import FileTier, HostMemoryTier
 
@@ -304,3 +307,33 @@ def test_inspect_shows_trainer_state(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "array([0, 1, 2], dtype=int8)" in rows["small"]
     assert rows["gen"].split()[1:3] == ["uint8", "[5056]"]
     assert rows["epoch"].split() == ["epoch", "=", "2"] and "train/" in rows
+
+
+module_keys = st.sets(
+    st.lists(st.sampled_from(["0", "1", "layer", "bn", "weight", "bias", "module"]), min_size=1, max_size=3).map(".".join),
+    min_size=1,
+    max_size=8,
+)
+wrappings = st.sampled_from(["", "_orig_mod.", "module.", "module._orig_mod."])
+
+
+@given(keys=module_keys, saved=wrappings, target=wrappings, extra=st.booleans())
+def test_wrapper_prefixes_map_exactly_when_they_are_the_only_difference(
+    keys: set[str], saved: str, target: str, extra: bool
+) -> None:
+    assume(saved != target)  # equal keys are never mapped
+    have = [saved + k for k in sorted(keys)]
+    want = [target + k for k in sorted(keys)] + (["not.saved"] if extra else [])
+    mapping = _prefix_map(have, want)
+    if extra:
+        assert mapping is None  # a key the snapshot lacks is never invented
+    else:
+        assert mapping == dict(zip(have, want[: len(have)], strict=True))
+
+
+def test_a_prefix_is_not_mapped_onto_a_key_that_is_already_there() -> None:
+    assert _prefix_map(["_orig_mod.x", "x"], ["x"]) is None
+    assert _prefix_map(["_orig_mod.x", "_orig_mod.y"], ["x", "y"]) == {
+        "_orig_mod.x": "x",
+        "_orig_mod.y": "y",
+    }
