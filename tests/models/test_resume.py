@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,25 @@ def check(trained: dict[str, Any], resumed: dict[str, Any]) -> None:
     assert resumed["losses"] == trained["losses"][RESUME_AT + 1 :]
 
 
+Trained = Callable[[str], tuple[Path, dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def trained() -> Iterator[Trained]:
+    """The uninterrupted run of a recipe, once per recipe: its checkpoint and its result."""
+    runs: dict[str, tuple[Path, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def get(recipe: str) -> tuple[Path, dict[str, Any]]:
+            if recipe not in runs:
+                root, out = Path(tmp) / recipe, Path(tmp) / f"{recipe}.json"
+                run_worker([recipe, str(root), str(out), str(STEPS)])
+                runs[recipe] = (root, json.loads(out.read_text()))
+            return runs[recipe]
+
+        yield get
+
+
 @pytest.mark.parametrize(
     ("recipe", "resumed_as"),
     [
@@ -61,15 +82,12 @@ def check(trained: dict[str, Any], resumed: dict[str, Any]) -> None:
     ],
 )
 def test_resume_in_a_fresh_process_is_bit_identical(
-    recipe: str, resumed_as: str, tmp_path: Path
+    recipe: str, resumed_as: str, trained: Trained, tmp_path: Path
 ) -> None:
-    root = tmp_path / "ckpt"
-    run_worker([recipe, str(root), str(tmp_path / "trained.json"), str(STEPS)])
-    resume = [resumed_as, str(root), str(tmp_path / "resumed.json"), str(STEPS), str(RESUME_AT)]
-    run_worker(resume)
-    trained = json.loads((tmp_path / "trained.json").read_text())
-    resumed = json.loads((tmp_path / "resumed.json").read_text())
-    check(trained, resumed)
+    root, result = trained(recipe)
+    out = tmp_path / "resumed.json"
+    run_worker([resumed_as, str(root), str(out), str(STEPS), str(RESUME_AT)])
+    check(result, json.loads(out.read_text()))
 
 
 def test_fsdp2_on_two_ranks_resumes_bit_identical(tmp_path: Path) -> None:
