@@ -294,9 +294,11 @@ class _Walker:
             return {"$pickle": base64.b64encode(data).decode("ascii")}
         raise UnsupportedStateError(
             f"value at {key!r} of type {type(obj).__qualname__} is not a tensor, a Stateful "
-            "object or a plain value (dict, list, tuple, str, int, float, bool, None, bytes). "
-            "Convert it, or pass allow_pickle=True to the Checkpointer on both save and "
-            "restore if you trust every reader of this checkpoint."
+            "object, a plain value (dict, list, tuple, str, int, float, bool, None, bytes) or "
+            "trainer state lazyckpt stores without pickle (numpy arrays, torch/numpy/random "
+            "generators, dataclasses: see docs/api.md). Convert it, or pass allow_pickle=True "
+            "to the Checkpointer on both save and restore if you trust every reader of this "
+            "checkpoint."
         )
 
     def _encode_object(self, obj: Any, key: str) -> JSON:
