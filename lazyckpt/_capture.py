@@ -218,9 +218,11 @@ def optimizer_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
             if not isinstance(per_param, dict):
                 continue
             for v in per_param.values():
-                ptr = _pointer(v)
-                if ptr:
-                    found.add(ptr)
+                # LBFGS keeps lists of tensors (its history) in its state
+                for item in v if isinstance(v, list | tuple) else (v,):
+                    ptr = _pointer(item)
+                    if ptr:
+                        found.add(ptr)
     return found
 
 
@@ -303,7 +305,10 @@ def copy_eager(refs: Sequence[TensorRef], chosen: Sequence[int]) -> int:
         else:
             ref.tensor = ref.tensor.detach().clone()
             copied += ref.tensor.numel() * ref.tensor.element_size()
-        ref.version = ref.tensor._version
+        try:
+            ref.version = ref.tensor._version
+        except (RuntimeError, AttributeError):  # a copy made in inference mode has none
+            ref.version = None
     return copied
 
 

@@ -217,7 +217,7 @@ class _Core:
         )
         self.engine = Engine(tiers, options)
         if verify_sources:
-            self.engine.capture = VerifyingCapture(self.engine.capture)
+            self.engine.capture = VerifyingCapture(self.engine.capture, capture_threads)
         self.options = options
         self._last_step: int | None = None
         self._closing = False
@@ -560,7 +560,15 @@ class _Core:
                 core.close_at_exit()
 
         self._at_exit = at_exit
-        atexit.register(at_exit)
+        # run at the start of interpreter shutdown, before concurrent.futures refuses new
+        # work to its thread pools (which the drain needs): threading's exit hooks run
+        # newest first, and concurrent.futures registered its own when it was imported
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:  # pragma: no cover - every supported Python has it
+            atexit.register(at_exit)
+            return
+        with contextlib.suppress(RuntimeError):  # already shutting down: nothing to add
+            register(at_exit)
 
     def close_at_exit(self) -> None:
         if self._closing or self.engine.closed:
@@ -597,7 +605,7 @@ class _Core:
 
     def finish_close(self) -> None:
         if self._at_exit is not None:
-            atexit.unregister(self._at_exit)
+            atexit.unregister(self._at_exit)  # threading's hook is a no-op once closed
             self._at_exit = None
         for _opt, handle in self._guards:
             handle.remove()

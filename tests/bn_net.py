@@ -29,7 +29,8 @@ class BNNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.block2(self.block1(self.stem(x)))
-        return self.head(x.mean(dim=(2, 3)))
+        out: torch.Tensor = self.head(x.mean(dim=(2, 3)))
+        return out
 
 
 class Trainer:
@@ -63,7 +64,7 @@ class Trainer:
         x = torch.randn(8, 3, 16, 16, generator=g)
         y = torch.randint(0, 10, (8,), generator=g)
         loss = nn.functional.cross_entropy(self.model(x), y)
-        self.scaler.scale(loss).backward()
+        torch.autograd.backward(self.scaler.scale(loss))
         self.scaler.step(self.opt)
         self.scaler.update()
         self.sched.step()

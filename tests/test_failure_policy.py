@@ -150,3 +150,17 @@ async def test_warn_leaves_close_quiet_and_raise_raises_there(tmp_path: Path) ->
             assert policy == "raise"
         else:
             assert policy == "warn"
+
+
+@pytest.mark.slow
+def test_the_batchnorm_flaky_storage_example() -> None:
+    import subprocess
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "batchnorm_flaky_storage.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "optimizer steps: 12 of 12" in done.stdout
+    assert "losses identical bit for bit: True" in done.stdout
+    assert done.stderr.count("SNAPSHOT FAILED") == 4

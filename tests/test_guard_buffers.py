@@ -55,6 +55,7 @@ async def test_a_guarded_batchnorm_net_snapshots_every_step_and_resumes_bit_iden
     resumed = Trainer(STEPS, seed=123)  # different weights: all must come from the snapshot
     async with lazyckpt.Checkpointer([FileTier(tmp_path / "file")]) as fresh:
         await fresh.restore(step=middle, into=resumed.state(0))
+    assert resumed.model.stem.bn.num_batches_tracked is not None
     assert int(resumed.model.stem.bn.num_batches_tracked) == middle + 1
     after = [resumed.step(s) for s in range(middle + 1, STEPS)]
     assert after == expected[middle + 1 :]
@@ -83,11 +84,12 @@ class WithEMA(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
-        self.register_buffer("ema", torch.zeros(512, 1024))
+        self.ema = torch.nn.Buffer(torch.zeros(512, 1024))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ema.mul_(0.9).add_(x.mean())
-        return self.lin(x)
+        out: torch.Tensor = self.lin(x)
+        return out
 
 
 @pytest.mark.parametrize("eager", [(), ("model/ema",)])
@@ -164,3 +166,30 @@ async def test_eager_copies_keep_aliases_and_restore_exactly(tmp_path: Path) -> 
     assert restored["a"] is restored["b"]
     assert torch.equal(restored["a"], before)
     assert torch.equal(restored["view"], before.t())
+
+
+async def test_a_snapshot_taken_in_inference_mode(tmp_path: Path) -> None:
+    model = torch.nn.BatchNorm1d(4)
+    async with lazyckpt.Checkpointer(chain(tmp_path), **SMALL) as ckpt:
+        with torch.inference_mode():
+            handle = await ckpt.snapshot({"model": model, "t": torch.ones(3)}, step=0)
+        await handle.committed()
+        restored = await ckpt.restore(step=0)
+    assert torch.equal(restored["t"], torch.ones(3))
+    assert torch.equal(restored["model"]["running_var"], torch.ones(4))
+
+
+def test_lbfgs_history_counts_as_owned() -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.LBFGS(model.parameters(), history_size=3)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss: torch.Tensor = model(torch.randn(2, 4)).square().sum()
+        torch.autograd.backward(loss)
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)  # type: ignore[no-untyped-call]
+    history = opt.state[model.weight]["old_dirs"]
+    assert history and all(t.data_ptr() in optimizer_pointers([opt]) for t in history)

@@ -46,7 +46,11 @@ def step_is_held_by_the_guard(ckpt: lazyckpt.SyncCheckpointer, step: Any) -> boo
     """With a capture held back, does ``step()`` (run on a thread) wait for it?"""
     gate, release = hold_captures(ckpt)  # type: ignore[arg-type]
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (step(), done.set()))
+    def target() -> None:
+        step()
+        done.set()
+
+    thread = threading.Thread(target=target)
     thread.start()
     held = not done.wait(0.3)
     gate.set()
@@ -174,10 +178,10 @@ async def test_lbfgs_waits_after_its_first_closure_and_resumes_exactly(tmp_path:
             events.append("forward")
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
+            torch.autograd.backward(loss)
             return loss
 
-        return float(opt.step(closure).detach())
+        return float(opt.step(closure).detach())  # type: ignore[no-untyped-call]
 
     model, opt = build()
     async with lazyckpt.Checkpointer(chain(tmp_path), **SMALL) as ckpt:
@@ -203,8 +207,8 @@ def test_closure_false_waits_before_the_closure(tmp_path: Path) -> None:
 
     def closure() -> torch.Tensor:
         events.append("forward")
-        loss = model(torch.ones(1, 4)).sum()
-        loss.backward()
+        loss: torch.Tensor = model(torch.ones(1, 4)).sum()
+        torch.autograd.backward(loss)
         return loss
 
     with lazyckpt.SyncCheckpointer(chain(tmp_path), **SMALL) as ckpt:
@@ -234,7 +238,11 @@ async def test_a_gradscaler_step_is_guarded(tmp_path: Path) -> None:
         await ckpt.snapshot(run.state(0), step=0)
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        loop.call_later(0.3, lambda: (gate.set(), release()))
+        def let_go() -> None:
+            gate.set()
+            release()
+
+        loop.call_later(0.3, let_go)
         await asyncio.to_thread(run.step, 1)  # scaler.step(opt) -> opt.step(): waits
         assert time.monotonic() - started >= 0.25
         assert run.optimizer_steps == 2
