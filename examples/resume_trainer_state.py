@@ -54,7 +54,7 @@ def step(s: dict[str, Any], i: int) -> float:
     keep = s["sampler"].sample(range(16), 12)
     weight = 1.0 + 0.1 * float(np.random.rand())  # the legacy global numpy RNG
     loss = torch.nn.functional.mse_loss(s["model"](x[keep]), y[keep]) * weight
-    loss.backward()
+    torch.autograd.backward(loss)
     s["optim"].step()
     s["optim"].zero_grad()
     value = float(loss.item())

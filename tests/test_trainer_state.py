@@ -55,7 +55,7 @@ async def test_rng_states_and_arrays_round_trip_without_pickle(tmp_path: Path) -
     np.random.seed(3)
     random.seed(4)
     torch_gen = torch.Generator().manual_seed(5)
-    state = {
+    state: dict[str, Any] = {
         "np_global": np.random.get_state(),
         "py_global": random.getstate(),
         "torch_global": torch.get_rng_state(),
@@ -71,7 +71,7 @@ async def test_rng_states_and_arrays_round_trip_without_pickle(tmp_path: Path) -
         "big_endian": np.arange(2000, dtype=">i8"),
         "strided": np.arange(40000, dtype=np.float64).reshape(200, 200)[::2, ::3],
     }
-    back = await save_and_restore(tmp_path, state)
+    back: dict[str, Any] = await save_and_restore(tmp_path, state)
 
     # every generator continues exactly where the saved one was
     np.random.set_state(back["np_global"])
@@ -154,7 +154,7 @@ async def test_generators_and_arrays_load_into_live_objects(tmp_path: Path) -> N
     py_rng.seed(3)
     async with lazyckpt.Checkpointer(tiers(tmp_path), **SMALL) as ckpt:
         await (await ckpt.snapshot(state, step=1)).committed()
-        live = {
+        live: dict[str, Any] = {
             "gen": torch.Generator().manual_seed(99),
             "np_rng": np.random.default_rng(99),
             "py_rng": random.Random(99),

@@ -183,7 +183,7 @@ class Fields:
 
 
 def test_plain_decoding_gives_builtins_and_tensors_only() -> None:
-    state = {
+    state: dict[str, Any] = {
         "gen": torch.Generator().manual_seed(0),
         "np_rng": np.random.default_rng(1),
         "py": random.Random(2),

@@ -82,7 +82,7 @@ class Llama(Recipe):
         o = self.objects
         tokens = _token_batch(o["data"], self.VOCAB)
         loss = o["model"](input_ids=tokens, labels=tokens).loss
-        loss.backward()
+        torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(o["model"].parameters(), 1.0)
         o["optim"].step()
         o["sched"].step()
@@ -109,7 +109,7 @@ class GPT2(Recipe):
         self.objects = {
             "model": model,
             "optim": opt,
-            "sched": get_linear_schedule_with_warmup(opt, 2, 20),
+            "sched": get_linear_schedule_with_warmup(opt, 2, 20),  # type: ignore[no-untyped-call]
             "data": torch.Generator().manual_seed(seed + 1),
         }
 
@@ -117,7 +117,7 @@ class GPT2(Recipe):
         o = self.objects
         tokens = _token_batch(o["data"], self.VOCAB)
         loss = o["model"](input_ids=tokens, labels=tokens).loss
-        loss.backward()
+        torch.autograd.backward(loss)
         o["optim"].step()
         o["sched"].step()
         o["optim"].zero_grad()
@@ -183,7 +183,7 @@ class ConvNet(Recipe):
         images = torch.where(flip[:, None, None, None], images.flip(-1), images)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(o["model"](images), labels)
-        o["scaler"].scale(loss).backward()
+        torch.autograd.backward(o["scaler"].scale(loss))
         o["scaler"].step(o["optim"])
         o["scaler"].update()
         o["sched"].step()
@@ -212,7 +212,8 @@ class _Bigram(nn.Module):
         self.head = nn.Linear(24, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.drop(self.norm(self.embed(tokens))))
+        logits: torch.Tensor = self.head(self.drop(self.norm(self.embed(tokens))))
+        return logits
 
 
 class DataLoaderRecipe(Recipe):
@@ -257,7 +258,7 @@ class DataLoaderRecipe(Recipe):
         batch = self._next()
         logits = o["model"](batch[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), batch[:, 1:].reshape(-1))
-        loss.backward()
+        torch.autograd.backward(loss)
         o["optim"].step()
         o["optim"].zero_grad()
         return float(loss.item())
@@ -288,7 +289,7 @@ class Compiled(Recipe):
         batch = torch.randint(0, self.VOCAB, (4, 17), generator=o["data"])
         logits = o["model"](batch[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), batch[:, 1:].reshape(-1))
-        loss.backward()
+        torch.autograd.backward(loss)
         o["optim"].step()
         o["optim"].zero_grad()
         return float(loss.item())
@@ -352,7 +353,7 @@ class FSDP2(Recipe):
         x = torch.randn(8, 16, generator=self.objects["data"])
         y = torch.randn(8, 4, generator=self.objects["data"])
         loss = nn.functional.mse_loss(self.model(x), y)
-        loss.backward()
+        torch.autograd.backward(loss)
         self.optimizer.step()
         self.optimizer.zero_grad()
         return float(loss.item())
