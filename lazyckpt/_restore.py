@@ -467,17 +467,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def align_into(manifest: Manifest, into: Any) -> Manifest:
+def align_into(manifest: Manifest, into: Any, *, rename: bool = True) -> Manifest:
     """Check the keys of an ``into=`` target against ``manifest`` before anything is read,
     and map wrapper prefixes (:data:`WRAPPER_PREFIXES`) where that is the only difference.
 
     Returns the manifest itself when nothing is renamed, else a copy whose tree and tensor
-    keys use the target's names. Raises :class:`StateMismatchError` on other differences.
+    keys use the target's names. Raises :class:`StateMismatchError` on other differences,
+    and on prefix differences too when ``rename`` is false (a resharding restore, which
+    matches other ranks' manifests by the saved keys).
     """
     if into is None:
         return manifest
     renames: dict[str, str] = {}
-    tree = _align(manifest.tree, into, "", renames)
+    tree = _align(manifest.tree, into, "", renames if rename else None)
     if not renames:
         return manifest
     tensors = tuple(_renamed(meta, renames) for meta in manifest.tensors)
@@ -535,7 +537,7 @@ def _prefix_map(have: list[Any], want: list[Any]) -> dict[Any, Any] | None:
     return found
 
 
-def _align(node: JSON, into: Any, path: str, renames: dict[str, str]) -> JSON:
+def _align(node: JSON, into: Any, path: str, renames: dict[str, str] | None) -> JSON:
     module = isinstance(into, torch.nn.Module)
     if module or (isinstance(into, MutableMapping) and not _stateful(into)):
         found = _items(node)
@@ -545,8 +547,8 @@ def _align(node: JSON, into: Any, path: str, renames: dict[str, str]) -> JSON:
         have = [_key_of(k) for k, _ in items]
         want = list(into.state_dict().keys() if module else into.keys())
         if not set(want) <= set(have) or (module and set(have) != set(want)):
-            mapping = _prefix_map(have, want)
-            if mapping is not None:
+            mapping = _prefix_map(have, want) if renames is not None else None
+            if mapping is not None and renames is not None:
                 for old, new in mapping.items():
                     renames[_child(path, old)] = _child(path, new)
                 items = [[mapping.get(k, k), v] for k, (_, v) in zip(have, items, strict=True)]

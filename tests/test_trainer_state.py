@@ -17,9 +17,10 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import lazyckpt
-from lazyckpt import ConfigurationError, StateMismatchError, UnsupportedStateError
-from lazyckpt._restore import _prefix_map
-from lazyckpt._tree import INLINE_ARRAY_BYTES, DataclassValue
+from lazyckpt import ConfigurationError, LayoutOptions, StateMismatchError, UnsupportedStateError
+from lazyckpt._manifest import plan_layout
+from lazyckpt._restore import _prefix_map, align_into
+from lazyckpt._tree import INLINE_ARRAY_BYTES, DataclassValue, walk_state
 from tiers import FileTier, HostMemoryTier
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
@@ -337,3 +338,17 @@ def test_a_prefix_is_not_mapped_onto_a_key_that_is_already_there() -> None:
         "_orig_mod.x": "x",
         "_orig_mod.y": "y",
     }
+
+
+def test_a_resharding_restore_checks_keys_but_maps_no_prefix() -> None:
+    """Resharding matches other ranks' manifests by the saved keys: prefixes stay as saved,
+    and a difference is refused before anything is read."""
+    tree, refs = walk_state({"model": compiled_keys(small_model())}, allow_pickle=False)
+    manifest = plan_layout(1, tree, refs, LayoutOptions())
+    target = {"model": small_model()}
+    renamed = align_into(manifest, target)
+    assert [t.key for t in renamed.tensors] == [f"model/{k}" for k in small_model().state_dict()]
+    with pytest.raises(StateMismatchError) as info:
+        align_into(manifest, target, rename=False)
+    assert info.value.key == "model" and info.value.missing == list(small_model().state_dict())
+    assert align_into(manifest, {"model": compiled_keys(small_model())}, rename=False) is manifest
