@@ -5,12 +5,14 @@ one linear head; 25.6 M parameters), written out as tensor shapes so that no tor
 needed, with SGD momentum buffers for every parameter, and a guard on the optimizer:
 
 - ``snapshot()``: time inside ``snapshot()`` with the default policy (the 159 BatchNorm
-  statistics tensors and 53 step counters are copied at ``snapshot()``: 0.2 MiB) against
+  buffers, 106 running statistics and 53 ``num_batches_tracked`` counters, 0.2 MiB, are
+  copied at ``snapshot()``) against
   ``lazy=("*",)`` (every tensor lazy, as before the eager copies existed);
 - ``capture``: time from ``snapshot()`` until every shard is in host memory (what the guard
   waits for at most), with and without ``verify_sources=True``.
 
-Methods alternate (A B A B ...) and each figure is a median over ``--reps`` snapshots::
+The configurations alternate snapshot by snapshot, in an order rotated every round, and
+each figure is a median over ``--reps`` snapshots::
 
     python bench/eager_resnet50.py --reps 30
 """
@@ -113,8 +115,12 @@ def measure(reps: int) -> dict[str, Any]:
         for ckpt in ckpts.values():
             ckpt.guard(opt)
         step = 0
-        for _ in range(reps + 2):  # two warm-up rounds, not counted
-            for name, ckpt in ckpts.items():
+        names = list(ckpts)
+        for round_ in range(reps + 2):  # two warm-up rounds, not counted
+            # rotated every round, so that no configuration always follows the same one
+            k = round_ % len(names)
+            for name in names[k:] + names[:k]:
+                ckpt = ckpts[name]
                 state = {"model": model, "optim": opt, "step": step}
                 t0 = time.perf_counter()
                 handle = ckpt.snapshot(state, step=step)

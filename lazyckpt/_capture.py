@@ -190,8 +190,13 @@ class CpuCapture:
 # -- eager copies at snapshot() ----------------------------------------------------------------
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _pointer(t: Any) -> int | None:
     """The data pointer of a tensor, or of a DTensor's local chunk (None if it has none)."""
+    if type(t) in _PLAIN:  # the usual case, without the slower lookups below
+        return int(t.data_ptr())
     local = getattr(t, "_local_tensor", None)  # a DTensor: its chunk is what a ref holds
     if isinstance(local, torch.Tensor):
         t = local

@@ -225,6 +225,7 @@ class _Core:
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []
         self._plan_cache: tuple[tuple[Any, ...], Manifest] | None = None
         self._at_exit: Callable[[], None] | None = None
+        self._owned_cache: tuple[tuple[Any, ...], set[int]] | None = None
 
     @property
     def cuda(self) -> CudaCapture | None:
@@ -253,9 +254,10 @@ class _Core:
             committed = [s for part in everyone for s in part]
         self._last_step = max(committed) if committed else None
 
-    def prepare(self, state: Any, step: int) -> Flight | SnapshotHandle:
+    def prepare(self, state: Any, step: int, stacklevel: int = 3) -> Flight | SnapshotHandle:
         """The synchronous half of ``snapshot()``: walk, copy the eager tensors, plan. Returns
-        the flight to submit, or the handle of a skipped snapshot."""
+        the flight to submit, or the handle of a skipped snapshot (whose warning points
+        ``stacklevel`` frames up: at the caller of the public ``snapshot()``)."""
         t0 = time.perf_counter()
         self.check_open()
         if type(step) is not int or step < 0:
@@ -283,7 +285,7 @@ class _Core:
                 f"snapshot of step {step} skipped: the pipeline is still busy with earlier "
                 f"snapshots ({self.engine.skipped} skipped so far)",
                 SnapshotSkippedWarning,
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
             return SnapshotHandle(self.engine, None, step)
         flight = Flight(manifest, refs, self.engine.stage_names)
@@ -304,7 +306,7 @@ class _Core:
             self._last_step = previous
 
     def snapshot(self, state: Any, step: int) -> SnapshotHandle:
-        prepared = self.prepare(state, step)
+        prepared = self.prepare(state, step, stacklevel=4)
         if isinstance(prepared, SnapshotHandle):
             return prepared
         return self.submit(prepared)
@@ -316,13 +318,7 @@ class _Core:
         thread, and the guard would then block the caller's thread (and loop) in the next
         optimizer step."""
         engine = self.engine
-        pending = engine.pending_captures()
-        if pending:
-            waits = [asyncio.shield(asyncio.wrap_future(f.captured)) for f in pending]
-            await asyncio.wait(waits)
-            for w in waits:  # a failure is the handle's and the policy's to report
-                if not w.cancelled():
-                    w.exception()
+        await _captures_done(engine.pending_captures())
         delay = 0.0005
         while engine.flights and engine.busy_for(flight.manifest):
             await asyncio.sleep(delay)
@@ -338,9 +334,22 @@ class _Core:
             self.engine.take_unreported()
 
     def owned_pointers(self) -> set[int]:
-        """Data pointers of the tensors the guarded optimizers own (see EagerPolicy)."""
+        """Data pointers of the tensors the guarded optimizers own (see EagerPolicy).
+
+        Listing them costs about as much per tensor as the walk itself, so the set is kept
+        while the optimizers' shape stays the same: the same ``state`` and ``param_groups``
+        objects (``load_state_dict`` replaces both), the same number of parameters, of
+        parameters with state and of state entries (an optimizer creates its state at its
+        first step). An optimizer that swaps a state tensor for a new one without any of
+        these changing leaves the new one out: it is then treated as not owned, which is
+        safe (copied at ``snapshot()`` if small, version-checked if large)."""
         live = [opt for opt, handle in self._guards if _installed(opt, handle)]
-        return optimizer_pointers(live) if live else set()
+        if not live:
+            return set()
+        shape = tuple(_optimizer_shape(opt) for opt in live)
+        if self._owned_cache is None or self._owned_cache[0] != shape:
+            self._owned_cache = (shape, optimizer_pointers(live))
+        return self._owned_cache[1]
 
     def _plan(self, step: int, tree: Any, refs: list[TensorRef]) -> Manifest:
         """The layout for this snapshot; reused from the previous one when every tensor has
@@ -635,6 +644,35 @@ def _tags(tree: Any) -> set[str]:
     return found
 
 
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # a failure is the handle's and the policy's to report
+
+
+async def _captures_done(flights: Sequence[Flight]) -> None:
+    """Wait, on the caller's loop, until these captures are done, failed or not. Cancelling
+    the wait leaves the captures alone (``asyncio.wait`` cancels nothing, and nothing here
+    cancels the engine's futures)."""
+    if not flights:
+        return
+    waits = [asyncio.wrap_future(f.captured) for f in flights]
+    for w in waits:
+        w.add_done_callback(_retrieve)
+    await asyncio.wait(waits)
+
+
+def _optimizer_shape(opt: torch.optim.Optimizer) -> tuple[int, ...]:
+    state = opt.state
+    return (
+        id(opt),
+        id(state),
+        id(opt.param_groups),
+        sum(len(g["params"]) for g in opt.param_groups),
+        len(state),
+        sum(len(v) for v in state.values()),
+    )
+
+
 def _installed(opt: torch.optim.Optimizer, handle: Any) -> bool:
     """Is the guard's hook still on ``opt`` (the user may have removed it)?"""
     return handle.id in getattr(opt, "_optimizer_step_pre_hooks", {})
@@ -761,8 +799,8 @@ class Checkpointer:
             goes on; one warning is logged per failed snapshot and
             ``metrics()["snapshots_failed"]`` counts it. ``"raise"``: in addition, the next
             ``snapshot()`` (or ``wait_captured()``, or closing) raises the failure nobody has
-            seen yet. Either way the handle's awaitables raise it, a failed snapshot is
-            never listed by ``steps()``, and the guard never raises into the optimizer step.
+            seen yet. Either way the handle's awaitables raise it, no tier it failed on
+            lists it, and the guard never raises into the optimizer step.
         eager_bytes: tensors up to this size (bytes, default 1 MiB) that no guarded
             optimizer owns are copied at ``snapshot()`` instead of lazily: module buffers
             that the forward pass updates (BatchNorm statistics), small frozen tensors, RNG
@@ -839,13 +877,7 @@ class Checkpointer:
         """Wait until every pending capture is done (then the tensors may change). With
         ``on_failure="raise"``, raises a failure nobody has seen yet."""
         self._core.check_open()
-        pending = self._core.engine.pending_captures()
-        if pending:
-            waits = [asyncio.shield(asyncio.wrap_future(f.captured)) for f in pending]
-            await asyncio.wait(waits)
-            for w in waits:
-                if not w.cancelled():
-                    w.exception()  # retrieved; the policy below decides what is raised
+        await _captures_done(self._core.engine.pending_captures())
         self._core.report_failures()
 
     def guard(self, optimizer: Any, mode: GuardMode = "cpu", *, closure: bool | None = None) -> Any:

@@ -14,7 +14,8 @@ state change goes through the state table (``_state``); the flow never decides a
 itself. When the last shard reaches a tier, that tier commits the snapshot's manifest.
 
 Every task belongs to the engine's task group; failures are recorded on the flight, raised
-from its handle, and queued to be raised by the next ``snapshot()``/guard/``aclose()``.
+from its handle, logged once, and queued for the failure policy (``on_failure="raise"``:
+the next ``snapshot()``, ``wait_captured()`` or ``aclose()`` raises it; never the guard).
 """
 
 from __future__ import annotations

@@ -193,3 +193,18 @@ def test_lbfgs_history_counts_as_owned() -> None:
         opt.step(closure)  # type: ignore[no-untyped-call]
     history = opt.state[model.weight]["old_dirs"]
     assert history and all(t.data_ptr() in optimizer_pointers([opt]) for t in history)
+
+
+async def test_the_owned_set_follows_the_optimizer_through_a_restore(tmp_path: Path) -> None:
+    run = Trainer(4)
+    async with lazyckpt.Checkpointer(chain(tmp_path), **SMALL) as ckpt:
+        ckpt.guard(run.opt)
+        before = ckpt._core.owned_pointers()
+        assert len(before) == len(list(run.model.parameters()))  # no state yet
+        run.step(0)  # SGD creates its momentum buffers
+        grown = ckpt._core.owned_pointers()
+        assert len(grown) == 2 * len(before)
+        await (await ckpt.snapshot(run.state(0), step=0)).committed()
+        await ckpt.restore(step=0, into=run.state(0))  # load_state_dict: new state tensors
+        momentum = {int(s["momentum_buffer"].data_ptr()) for s in run.opt.state.values()}
+        assert momentum <= ckpt._core.owned_pointers()
