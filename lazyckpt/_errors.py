@@ -8,6 +8,9 @@ catch everything the library means with one ``except``. A backend's own exceptio
     LazyCkptError
     ├── ConfigurationError        you asked for something that cannot work (bad arguments)
     │   ├── UnsupportedStateError a state that cannot be checkpointed (sparse tensor, pickle refused)
+    │   ├── ForeignLocationError  a tier's location holds what another kind of store wrote, or
+    │   │                         something the tier does not understand (nothing is deleted)
+    │   ├── LocationInUseError    another writer holds the location (``holder`` says who)
     │   └── StateMismatchError    restore(into=...) names keys the snapshot does not have
     ├── InvalidTransitionError    a shard was moved against the state table (a bug, never your fault)
     ├── ImmutabilityViolationError a tensor changed in place before its capture finished
@@ -31,9 +34,11 @@ __all__ = [
     "ConfigurationError",
     "CorruptionError",
     "DeadlineExceededError",
+    "ForeignLocationError",
     "ImmutabilityViolationError",
     "InvalidTransitionError",
     "LazyCkptError",
+    "LocationInUseError",
     "SnapshotFailedError",
     "SnapshotNotFoundError",
     "StateMismatchError",
@@ -55,6 +60,33 @@ class ConfigurationError(LazyCkptError, ValueError):
 
 class UnsupportedStateError(ConfigurationError, TypeError):
     """Part of the state cannot be checkpointed as given; the message names its key."""
+
+
+class ForeignLocationError(ConfigurationError):
+    """A tier was opened on a location that another kind of store wrote (a Zarr tier's
+    directory given to a file tier, say), or that holds something it cannot prove is its own.
+
+    The tier deletes nothing there. ``location`` is the path or URL; the message says what was
+    found and what to do.
+    """
+
+    def __init__(self, message: str, *, location: str) -> None:
+        self.location = location
+        super().__init__(message)
+
+
+class LocationInUseError(ConfigurationError):
+    """Another writer holds the location: two writers on one location corrupt each other.
+
+    ``location`` is the path or URL, ``holder`` what the holder recorded about itself (process
+    id, host, since when), or ``None`` when it could not be read. Readers (a restore, the
+    command line) never need the location to be free.
+    """
+
+    def __init__(self, message: str, *, location: str, holder: dict[str, object] | None) -> None:
+        self.location = location
+        self.holder = holder
+        super().__init__(message)
 
 
 class StateMismatchError(ConfigurationError):

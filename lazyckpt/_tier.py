@@ -83,6 +83,17 @@ class Tier(abc.ABC):
     A subclass sets ``level`` and implements the abstract coroutines. Constructors do no I/O;
     :meth:`open` does (create directories, clean up what a crash left behind).
 
+    ``readonly`` (set by the constructor of a tier that offers it, or by whoever opens the
+    tier for reading only, before :meth:`open`) asks for a tier that only reads: ``open``
+    then creates, deletes and locks nothing, a missing location is
+    :class:`~lazyckpt.SnapshotNotFoundError`, and the writing coroutines refuse. A tier that
+    ignores it keeps working; it then simply opens as it always did.
+
+    Contract for ``open`` when writing: clean up only what the tier can prove is its own
+    uncommitted leftover, refuse a location another kind of store wrote
+    (:class:`~lazyckpt.ForeignLocationError`), and refuse a second writer on the same location
+    (:class:`~lazyckpt.LocationInUseError`).
+
     Contract for the coroutines, which the conformance suite checks:
 
     - ``begin(m)`` then any number of ``put_shard(m, shard, data)`` (concurrently, in any
@@ -116,12 +127,16 @@ class Tier(abc.ABC):
         # Checkpointer before open(). Tiers that store per-rank data read these.
         self.rank = 0
         self.world_size = 1
+        self.readonly = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
     async def open(self) -> None:  # noqa: B027 - optional hook, empty on purpose
-        """Prepare the backend (I/O allowed); called once by the Checkpointer."""
+        """Prepare the backend (I/O allowed); called once by the Checkpointer.
+
+        With ``self.readonly`` set, it must not create, delete or lock anything.
+        """
 
     @abc.abstractmethod
     async def begin(self, manifest: Manifest) -> None:
@@ -199,10 +214,12 @@ class SupportsGlobalCommit(Protocol):
 
 
 def translate_os_error(exc: OSError, tier: str, what: str) -> TierError:
-    """An ``OSError`` as the lazyckpt error a user can act on (cause kept by the caller)."""
+    """An ``OSError`` as the lazyckpt error a user can act on (cause kept by the caller); the
+    message names the file the call failed on, when the error says which."""
+    where = f" ({exc.filename})" if exc.filename is not None else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return TierFullError(f"{what}: out of space ({exc.strerror})", tier=tier)
-    return TierBrokenError(f"{what}: {exc.strerror or exc}", tier=tier)
+        return TierFullError(f"{what}: out of space ({exc.strerror}){where}", tier=tier)
+    return TierBrokenError(f"{what}: {exc.strerror or exc}{where}", tier=tier)
 
 
 def available_tiers() -> dict[str, Callable[..., Tier]]:

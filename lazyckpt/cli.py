@@ -6,9 +6,13 @@ Every subcommand takes a *location*: a directory (a :class:`~tiers.FileTier` roo
 the ``lazyckpt.tiers`` entry-point group, with the URL after ``KIND+`` as its argument. A local
 directory that holds a ``zarr.json`` is opened as a Zarr tier.
 
-Commands that only read (``ls``, ``inspect``, ``verify``, ``export``) and ``gc`` never call
-the tier's ``open()``, which for a file tier removes what a crashed writer left behind: a
-training job may be writing a snapshot into the same directory right now.
+Commands that only read (``ls``, ``inspect``, ``verify``, ``export``, the source of ``copy``)
+build the tier read-only (``readonly=True``, for a tier whose constructor takes it, which is
+then opened so; otherwise ``readonly`` is set and ``open()`` is never called): they create,
+delete and lock nothing, so they work beside a training job writing to the same location.
+Commands that write (``gc``, ``import``, the destination of ``copy``) open the tier for
+writing, which takes the location's writer lock: beside a running writer they are refused
+with :class:`~lazyckpt.LocationInUseError` instead of deleting what it writes.
 
 Exit status (``docs/cli.md`` has the full table):
 
@@ -30,6 +34,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -137,11 +142,15 @@ def resolve_location(spec: str) -> tuple[str, str]:
     )
 
 
-async def open_location(spec: str, *, create: bool = False) -> Location:
-    """Build the tier for ``spec``; with ``create``, also ``open()`` it for writing.
+async def open_location(spec: str, *, create: bool = False, write: bool = False) -> Location:
+    """Build the tier for ``spec``: read-only, or with ``write`` or ``create`` opened for
+    writing (``create`` also makes a missing directory). A read-only tier is opened only
+    when its constructor takes ``readonly=`` (the built-in tiers do): one that does not may
+    not honour it, and reads need no ``open()``.
 
     Raises:
         CommandError: no such directory (exit 3), or no tier for it (exit 2).
+        LocationInUseError: another writer holds the location (``write``/``create``).
     """
     # Resolving looks at the file system (a Zarr root?) and loads the tier plugins.
     kind, arg = await asyncio.to_thread(resolve_location, spec)
@@ -153,8 +162,15 @@ async def open_location(spec: str, *, create: bool = False) -> Location:
         )
     if kind == "file" and not create and not await asyncio.to_thread(Path(arg).is_dir):
         raise CommandError(f"{spec}: no such directory", EXIT_NOT_FOUND)
-    tier = load_tier(kind, arg)
-    if create:
+    readonly = not (create or write)
+    factory = available_tiers().get(kind)
+    # a tier whose constructor takes readonly= honours it: opened so, it checks the location
+    # (a missing one is SnapshotNotFoundError) and creates, deletes and locks nothing
+    honours = readonly and factory is not None and _takes_readonly(factory)
+    tier = load_tier(kind, arg, readonly=True) if honours else load_tier(kind, arg)
+    if readonly and not honours:
+        tier.readonly = True  # asked, but maybe not honoured: so never opened for a read
+    else:
         try:
             await tier.open()
         except BaseException:
@@ -163,9 +179,19 @@ async def open_location(spec: str, *, create: bool = False) -> Location:
     return Location(spec, kind, tier)
 
 
+def _takes_readonly(factory: Callable[..., Tier]) -> bool:
+    """Whether a tier's constructor takes ``readonly=`` (and so honours it in ``open()``)."""
+    try:
+        return "readonly" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 @contextlib.asynccontextmanager
-async def _opened(spec: str, *, create: bool = False) -> AsyncIterator[Location]:
-    location = await open_location(spec, create=create)
+async def _opened(
+    spec: str, *, create: bool = False, write: bool = False
+) -> AsyncIterator[Location]:
+    location = await open_location(spec, create=create, write=write)
     try:
         yield location
     finally:
@@ -1379,7 +1405,8 @@ async def _copy(args: argparse.Namespace, ui: Console) -> int:
 
 async def _gc(args: argparse.Namespace, ui: Console) -> int:
     retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every)
-    async with _opened(args.location) as loc:
+    # a writer: never beside a training job's own retention (the writer lock refuses it)
+    async with _opened(args.location, write=not args.dry_run) as loc:
         steps = await loc.tier.steps()
         doomed = retention.to_delete(steps)
         for step in doomed:

@@ -10,6 +10,7 @@ what was snapshotted at any step and compare it bit for bit with what was restor
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,19 @@ def durable_tier(root: Path, kind: str, **kwargs: Any) -> lazyckpt.Tier:
 
 async def main(root: Path, kind: str, first: int, last: int, wait: str) -> None:
     chain = [HostMemoryTier(4 << 20), durable_tier(root, kind, keep_last=3)]
+    pause = float(os.environ.get("LAZYCKPT_CHILD_PAUSE", "0"))  # seconds between steps
     async with lazyckpt.Checkpointer(chain, shard_size=SHARD, pack_bytes=4096) as ckpt:
+        print("opened", flush=True)
         for step in range(first, last):
             handle = await ckpt.snapshot(state_of(step), step=step)
             if wait == "committed":
                 await handle.committed()
             else:
                 await ckpt.wait_captured()  # as the guard would before the next optimizer step
+            await asyncio.sleep(pause)
+        if os.environ.get("LAZYCKPT_CHILD_HOLD"):  # stay the location's writer until told
+            print("holding", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
     print("finished", flush=True)
 
 

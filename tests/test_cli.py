@@ -620,7 +620,7 @@ def test_copy_never_spreads_damage(snapshots: Any, run: Run, tmp_path: Path) -> 
     assert code == EXIT_DAMAGE
     assert f"shard {m.shards[-1].index}" in err
     assert "nothing was copied" in err
-    assert sorted(p.name for p in dst.iterdir()) == []  # the partial step was aborted
+    assert sorted(dst.glob("step-*")) == []  # the partial step was aborted
 
 
 def test_copy_unknown_step(snapshots: Any, run: Run, tmp_path: Path) -> None:
@@ -641,7 +641,7 @@ def test_gc_dry_run_then_delete(run: Run, tmp_path: Path) -> None:
     assert code == EXIT_OK
     assert out.splitlines() == ["would delete step 1", "would delete step 2"]
     assert "would keep 3 of 5" in err
-    assert len(list(root.iterdir())) == 5
+    assert len(list(root.glob("step-*"))) == 5
 
     code, out, _ = run("gc", root, "--keep-last", "2", "--keep-every", "3")
     assert code == EXIT_OK

@@ -1,5 +1,7 @@
 """Kill a snapshotting process at random moments and at every named point of the pipeline;
-a fresh process must then find the latest committed step intact, bit for bit.
+a fresh process must then find the latest committed step intact, bit for bit. Start a second
+writer on a location while the first still writes (a job restarted while its old incarnation
+runs), and a writer of the other kind on it: neither may harm what is committed there.
 
 ``make test`` runs a short version; ``make soak`` sets LAZYCKPT_SOAK_KILLS=200.
 """
@@ -110,7 +112,7 @@ async def test_kill_anywhere_keeps_the_last_commit(kind: str, tmp_path: Path) ->
     if kind == "file":
         async with lazyckpt.Checkpointer([durable_tier(tmp_path, kind)]) as ckpt:
             listed = await ckpt.steps()
-        on_disk = sorted(p.name for p in (tmp_path / "file").iterdir())
+        on_disk = sorted(p.name for p in (tmp_path / "file").glob("step-*"))
         assert on_disk == [f"step-{s:012d}" for s in listed]
     print(f"{kind}: kills survived by point: {dict(survived)}")
 
@@ -125,3 +127,89 @@ def test_sigkill_mid_flush_keeps_previous_step(tmp_path: Path) -> None:
     assert (tmp_path / "file" / "step-000000000002").exists()  # the torn step, left behind
     assert asyncio.run(check(tmp_path, "file")) == 1
     assert not (tmp_path / "file" / "step-000000000002").exists()  # cleaned on open
+
+
+def start_child(root: Path, kind: str, first: int, *, hold: bool) -> subprocess.Popen[bytes]:
+    """A writer of six steps; with ``hold`` it pauses between steps and, done, stays open
+    until a line arrives on its stdin."""
+    env = dict(os.environ, LAZYCKPT_CHILD_PAUSE="0.2" if hold else "0")
+    env.pop("LAZYCKPT_CRASH_AT", None)
+    if hold:
+        env["LAZYCKPT_CHILD_HOLD"] = "1"
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), str(root), kind, str(first), str(first + 6), "committed"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def finish(proc: subprocess.Popen[bytes]) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc.returncode, err.decode(errors="replace")
+
+
+def tree(root: Path) -> list[tuple[str, int]]:
+    return sorted(
+        (str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file()
+    )
+
+
+async def check_every_step(root: Path, kind: str) -> list[int]:
+    """Every listed step (not just the latest) restores bit for bit, read-only."""
+    async with lazyckpt.Checkpointer([durable_tier(root, kind, readonly=True)]) as ckpt:
+        steps = await ckpt.steps()
+        for step in steps:
+            assert equal(await ckpt.restore(step=step), state_of(step)), f"step {step} differs"
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", TIERS)
+async def test_two_writers_and_a_foreign_one_harm_nothing(kind: str, tmp_path: Path) -> None:
+    rng = random.Random(99)
+    other = "zarr" if kind == "file" else "file"
+    location = tmp_path / kind
+    refused = 0
+    first = 0
+    for trial in range(max(2, KILLS // 10)):
+        old = start_child(tmp_path, kind, first, hold=True)
+        assert old.stdout is not None and old.stdout.readline() == b"opened\n"
+        killed = trial % 2 == 1  # every other time the old writer dies at a random moment
+        if killed:
+            await asyncio.sleep(rng.uniform(0.0, 1.5))
+            old.send_signal(signal.SIGKILL)
+            old.wait()
+        new = start_child(tmp_path, kind, first + 100, hold=False)
+        new_code, new_err = finish(new)
+        if not killed:
+            assert old.stdin is not None
+            old.stdin.write(b"go\n")
+            old.stdin.flush()
+        old_code, old_err = finish(old)
+        if killed:  # the kernel dropped the dead writer's lock: the new one just works
+            assert new_code == 0, new_err[-2000:]
+        else:  # both alive at once: the second is refused at open, the first unharmed
+            assert new_code != 0 and "LocationInUseError" in new_err, new_err[-2000:]
+            assert old_code == 0, old_err[-2000:]
+            refused += 1
+        steps = await check_every_step(tmp_path, kind)
+        assert steps, "nothing committed"
+        first = steps[-1] + 101
+
+        # a writer of the other kind on this location is refused and changes nothing
+        if other in TIERS:
+            before = tree(location)
+            with pytest.raises(lazyckpt.ForeignLocationError):
+                async with lazyckpt.Checkpointer(
+                    [lazyckpt.load_tier(other, str(location))], staging_bytes=1 << 20
+                ):
+                    pass
+            assert tree(location) == before
+    assert refused >= 1

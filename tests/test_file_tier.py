@@ -1,15 +1,21 @@
-"""FileTier specifics beyond the conformance suite: O_DIRECT selection and its fallback."""
+"""FileTier specifics beyond the conformance suite: O_DIRECT selection and its fallback, and
+how it guards its directory (foreign locations, read-only opens, one writer)."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
+import re
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import lazyckpt
+import lazyckpt.testing
 import tiers._file as file_module
 from lazyckpt import TierError
 from tiers import FileTier, HostMemoryTier
@@ -91,3 +97,205 @@ async def test_ranks_racing_to_remove_a_shared_step_get_a_warning_not_an_error(
         tier.world_size = 2  # several ranks sharing the directory: another may be removing it
         await tier.delete(2)
         assert "left files behind" in caplog.text
+
+
+# -- guarding the location -----------------------------------------------------------------------
+
+
+def tree(root: Path) -> list[tuple[str, int]]:
+    """Every file under ``root`` with its size."""
+    return sorted(
+        (str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*") if p.is_file()
+    )
+
+
+async def test_a_zarr_tiers_snapshots_survive_a_file_tier(tmp_path: Path) -> None:
+    from tiers import ZarrTier
+
+    state = {"w": torch.randn(300, 77)}
+    async with lazyckpt.Checkpointer([ZarrTier(tmp_path)], staging_bytes=1 << 20, **SMALL) as c:
+        for step in (1, 2):
+            await (await c.snapshot(state, step=step)).committed()
+    before = tree(tmp_path)
+    for readonly in (False, True):  # a writer, and a restore-only open
+        with pytest.raises(lazyckpt.ForeignLocationError, match="Zarr") as caught:
+            async with lazyckpt.Checkpointer([FileTier(tmp_path, readonly=readonly)]):
+                pass
+        assert str(tmp_path) in str(caught.value) and caught.value.location == str(tmp_path)
+    assert tree(tmp_path) == before
+    async with lazyckpt.Checkpointer([ZarrTier(tmp_path, readonly=True)]) as c:
+        assert await c.steps() == [1, 2]
+        assert torch.equal((await c.restore())["w"], state["w"])
+
+
+async def write_then_die(root: Path, committed: int, torn: int) -> dict[str, torch.Tensor]:
+    """Commit ``committed``; leave ``torn`` half written, as a killed writer would."""
+    state = {"w": torch.randn(300, 77)}
+    async with lazyckpt.Checkpointer([FileTier(root)], staging_bytes=1 << 20, **SMALL) as c:
+        await (await c.snapshot(state, step=committed)).committed()
+    manifest, payloads = lazyckpt.testing.build_snapshot(torn, state, shard_size=1 << 16)
+    tier = FileTier(root)
+    await tier.open()
+    await tier.begin(manifest)
+    await tier.put_shard(manifest, manifest.shards[0], memoryview(payloads[0]))
+    await tier.aclose()
+    return state
+
+
+async def test_restore_only_open_changes_nothing(tmp_path: Path) -> None:
+    state = await write_then_die(tmp_path, 1, 2)
+    before = tree(tmp_path)
+    assert "step-000000000002/rank-00000.data" in dict(before)
+    async with lazyckpt.Checkpointer([FileTier(tmp_path, readonly=True)]) as c:
+        assert await c.steps() == [1]
+        assert torch.equal((await c.restore())["w"], state["w"])
+    assert tree(tmp_path) == before  # the torn step too: only a writer sweeps it
+    async with lazyckpt.Checkpointer([FileTier(tmp_path)], staging_bytes=1 << 20) as c:
+        assert await c.steps() == [1]
+    assert not (tmp_path / "step-000000000002").exists()
+
+
+async def test_restore_only_open_of_a_missing_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "not" / "there"
+    with pytest.raises(lazyckpt.SnapshotNotFoundError, match=re.escape(str(missing))):
+        async with lazyckpt.Checkpointer([FileTier(missing, readonly=True)]):
+            pass
+    assert not (tmp_path / "not").exists()
+
+
+async def test_a_root_that_is_a_file_is_named(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.write_text("not a directory")
+    for readonly in (False, True):
+        tier = FileTier(root, readonly=readonly)
+        with pytest.raises(lazyckpt.ConfigurationError, match=re.escape(f"{root} is a file")):
+            await tier.open()
+        await tier.aclose()
+    assert root.read_text() == "not a directory"
+
+
+async def test_errors_name_their_path(tmp_path: Path) -> None:
+    tier = FileTier(tmp_path)
+    await tier.open()
+    try:
+        blocker = tmp_path / "step-000000000005"
+        blocker.write_text("in the way")  # the step's directory cannot be made
+        manifest, _ = lazyckpt.testing.build_snapshot(5, {"w": torch.randn(10)})
+        with pytest.raises(TierError, match=re.escape(str(blocker))):
+            await tier.begin(manifest)
+    finally:
+        await tier.aclose()
+
+
+async def test_files_it_did_not_write_are_refused_not_deleted(tmp_path: Path) -> None:
+    # an unmarked directory holding something else besides what looks like a torn step
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "step-000000000003").mkdir()
+    (tmp_path / "step-000000000003" / "rank-00000.data").write_bytes(b"x" * 10)
+    before = tree(tmp_path)
+    with pytest.raises(lazyckpt.ForeignLocationError, match=r"notes\.txt"):
+        await FileTier(tmp_path).open()
+    assert tree(tmp_path) == before
+    # a file tier's own directory whose uncommitted step holds a file it never writes
+    root = tmp_path / "run"
+    await write_then_die(root, 1, 2)
+    (root / "step-000000000002" / "keep.me").write_text("not lazyckpt's")
+    before = tree(root)
+    with pytest.raises(lazyckpt.ForeignLocationError, match=r"keep\.me"):
+        await FileTier(root).open()
+    assert tree(root) == before
+
+
+async def test_a_directory_from_before_the_marker_is_adopted(tmp_path: Path) -> None:
+    state = await write_then_die(tmp_path, 1, 2)
+    (tmp_path / "lazyckpt-file.json").unlink()  # as an earlier version left it
+    async with lazyckpt.Checkpointer([FileTier(tmp_path)], staging_bytes=1 << 20) as c:
+        assert torch.equal((await c.restore())["w"], state["w"])
+    assert (tmp_path / "lazyckpt-file.json").exists()
+    assert not (tmp_path / "step-000000000002").exists()  # its torn step was this layout
+
+
+HOLDER = """
+import asyncio, sys
+from tiers import FileTier
+
+async def main():
+    tier = FileTier(sys.argv[1])
+    await tier.open()
+    print("ready", flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+async def test_one_writer_per_directory(tmp_path: Path) -> None:
+    state = await write_then_die(tmp_path, 1, 2)
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLDER, str(tmp_path), stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and await holder.stdout.readline() == b"ready\n"
+        with pytest.raises(lazyckpt.LocationInUseError) as caught:
+            async with lazyckpt.Checkpointer([FileTier(tmp_path)], staging_bytes=1 << 20):
+                pass
+        error = caught.value
+        assert error.holder is not None and error.holder["pid"] == holder.pid
+        assert f"process {holder.pid}" in str(error) and str(tmp_path) in str(error)
+        # a reader works beside the writer
+        async with lazyckpt.Checkpointer([FileTier(tmp_path, readonly=True)]) as c:
+            assert torch.equal((await c.restore())["w"], state["w"])
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a killed writer never blocks the next
+        await holder.wait()
+    async with lazyckpt.Checkpointer([FileTier(tmp_path)], staging_bytes=1 << 20) as c:
+        await (await c.snapshot(state, step=3)).committed()
+        assert await c.steps() == [1, 3]
+
+
+def test_cli_reads_beside_a_writer_and_gc_waits_its_turn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lazyckpt.cli import main
+
+    with lazyckpt.SyncCheckpointer([FileTier(tmp_path)], staging_bytes=1 << 20, **SMALL) as c:
+        for step in (1, 2, 3):
+            c.snapshot({"w": torch.full((4,), float(step))}, step=step).wait()
+        assert main(["ls", str(tmp_path)]) == 0  # a reader beside the writer
+        assert main(["verify", str(tmp_path), "--all", "-q"]) == 0
+        # gc deletes: a second writer, refused while the first is open
+        assert main(["gc", str(tmp_path), "--keep-last", "1"]) == 2
+        assert f"{tmp_path} is being written by process {os.getpid()}" in capsys.readouterr().err
+        assert [p.name for p in sorted(tmp_path.glob("step-*"))] == [
+            "step-000000000001",
+            "step-000000000002",
+            "step-000000000003",
+        ]
+    assert main(["gc", str(tmp_path), "--keep-last", "1"]) == 0  # its turn now
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-000000000003"]
+
+
+@pytest.mark.parametrize("kind", ["file", "zarr"])
+async def test_one_lock_per_rank(tmp_path: Path, kind: str) -> None:
+    """The ranks of one job write beside each other; a second job's rank is refused."""
+
+    def rank(r: int) -> lazyckpt.Tier:
+        tier = lazyckpt.load_tier(kind, str(tmp_path))
+        tier.rank, tier.world_size = r, 2
+        return tier
+
+    ranks = [rank(0), rank(1)]
+    for tier in ranks:
+        await tier.open()
+    try:
+        intruder = rank(1)
+        with pytest.raises(lazyckpt.LocationInUseError, match="rank-00001"):
+            await intruder.open()
+        await intruder.aclose()
+    finally:
+        for tier in ranks:
+            await tier.aclose()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".lazyckpt-writer")) == [
+        ".lazyckpt-writer-rank-00000.lock",
+        ".lazyckpt-writer-rank-00001.lock",
+    ]

@@ -281,7 +281,11 @@ def test_retention_passes_do_not_overlap_on_a_slow_listing(tmp_path: Path) -> No
             ckpt.snapshot(rank_state(0, step), step=step).wait()
     # closing raised nothing: no retention pass failed
     assert tier.slow_listings >= 1 and tier.overlaps == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [STEP.format(2), "zarr.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lazyckpt-writer-rank-00000.lock",  # the writer's lock; the kernel dropped it
+        STEP.format(2),
+        "zarr.json",
+    ]
     with SyncCheckpointer([ZarrTier(tmp_path)], staging_bytes=1 << 20) as ckpt:
         assert ckpt.steps() == [2]
         assert torch.equal(ckpt.restore(2)["big"], rank_state(0, 2)["big"])
@@ -373,7 +377,13 @@ def test_two_ranks_save_retain_and_restore_bit_exact(tmp_path: Path) -> None:
     for r in res.values():
         assert r["zarr_steps"] == [2, 3]  # keep_last=2, applied by rank 0 for everyone
         assert r["restored_step"] == 3 and r["restored_ok"]
-    assert sorted(p.name for p in root.iterdir()) == [STEP.format(2), STEP.format(3), "zarr.json"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".lazyckpt-writer-rank-00000.lock",  # one writer's lock per rank
+        ".lazyckpt-writer-rank-00001.lock",
+        STEP.format(2),
+        STEP.format(3),
+        "zarr.json",
+    ]
     assert sorted(p.name for p in (root / STEP.format(3)).iterdir()) == [
         "rank-00000",
         "rank-00001",

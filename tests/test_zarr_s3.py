@@ -100,9 +100,11 @@ async def test_commit_is_one_object_written_last(s3: S3Location) -> None:
         assert f"{s3.prefix}/step-000000000003/zarr.json" in keys
         await tier.delete(3)
         remaining = s3.keys()
-        assert committed() == [] and remaining == [f"{s3.prefix}/zarr.json"]
+        lease = f"{s3.prefix}/.lazyckpt-writer-rank-00000.json"  # the writer's, while open
+        assert committed() == [] and remaining == [lease, f"{s3.prefix}/zarr.json"]
     finally:
         await tier.aclose()
+    assert s3.keys() == [f"{s3.prefix}/zarr.json"]  # the lease goes with the writer
 
 
 async def test_dropped_connections_are_retried(s3: S3Location) -> None:

@@ -13,7 +13,16 @@ A shard is written with ``os.pwrite`` in multi-MiB pieces from a bounded thread 
 made durable with ``fdatasync`` before it counts as ON_LOCAL. The commit writes the
 manifest to a temporary name, fsyncs it, renames it into place and fsyncs the directory
 (and the root, for the step directory's own entry). Deleting removes the manifest first.
-A step directory without a manifest is what a crash left behind; ``open()`` removes it.
+
+The root also holds ``lazyckpt-file.json`` (what kind of location this is, and its format)
+and one lock file per writing rank (``.lazyckpt-writer-rank-NNNNN.lock``, an ``flock`` held
+while the writer lives: a second writer is refused, readers never take it).
+
+A step directory without a manifest is what a crash left behind; ``open()`` removes it, but
+only under a root it can prove is a file tier's (the marker, or for a directory written
+before the marker existed, nothing but this layout) and only when the step directory holds
+nothing but the files above. Anything else (a Zarr tier's directory, files lazyckpt did not
+write) is refused with :class:`~lazyckpt.ForeignLocationError` and left untouched.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from pathlib import Path
 from lazyckpt import (
     ConfigurationError,
     CorruptionError,
+    ForeignLocationError,
     Manifest,
     ShardMeta,
     SnapshotNotFoundError,
@@ -45,7 +55,7 @@ from lazyckpt import (
     translate_os_error,
 )
 
-from ._fs import fsync_dir, remove_tree
+from ._fs import WriterLock, fsync_dir, lock_name, remove_tree
 
 __all__ = ["FileTier"]
 
@@ -56,14 +66,27 @@ _RACING_REMOVAL = {errno.ENOTEMPTY, errno.ESTALE, errno.EBUSY}
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 MANIFEST = "manifest.json"
+MARKER = "lazyckpt-file.json"  # what kind of location this is, and its format
+MARKER_FORMAT = "lazyckpt-file"
+LAYOUT_VERSION = 1
 ALIGN = 4096
+# the only names a file tier writes inside a step directory (temporaries: see _publish)
+_STEP_FILE = re.compile(r"^(manifest\.json|rank-\d{5}\.(data|json))$")
+_TEMP = re.compile(r"^(manifest|rank-\d{5}|lazyckpt-file)\.json\.\d+\.\d+\.tmp$")
+_LOCK = re.compile(r"^\.lazyckpt-writer-rank-\d{5}\.lock$")
+# what other stores leave at their root: a file tier never writes these
+_FOREIGN_SIGNS = {
+    "zarr.json": "a Zarr store (zarr.json; a ZarrTier location?)",
+    ".zgroup": "a Zarr v2 store (.zgroup)",
+    ".zarray": "a Zarr v2 array (.zarray)",
+}
 
 
 class FileTier(Tier):
     """Durable snapshots in a local directory.
 
     Args:
-        root: the directory (created if missing).
+        root: the directory (created if missing, unless ``readonly``).
         name: the tier's name (default ``"file"``).
         io_threads: threads writing and reading (bounded pool).
         piece_bytes: size of each ``pwrite``/``pread`` call.
@@ -74,6 +97,9 @@ class FileTier(Tier):
             Measured here, O_DIRECT cost about a fifth of the CPU time of buffered writes
             per GiB, which is what a training process shares its cores with.
         keep_last, keep_every: retention (see :class:`lazyckpt.Retention`).
+        readonly: only read (a restore, an inspection): ``open()`` then creates, deletes and
+            locks nothing, a missing root is :class:`~lazyckpt.SnapshotNotFoundError`, and
+            writing is refused. A reader works beside a running writer.
     """
 
     level = TierLevel.LOCAL
@@ -89,8 +115,10 @@ class FileTier(Tier):
         direct: bool | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        readonly: bool = False,
     ) -> None:
         super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
+        self.readonly = readonly
         if not isinstance(root, str | os.PathLike) or not str(root):
             raise ConfigurationError(f"FileTier root must be a path, got {root!r}")
         if io_threads < 1:
@@ -105,6 +133,7 @@ class FileTier(Tier):
         self._io_threads = io_threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._writing: dict[int, tuple[int, bool]] = {}  # step -> (fd, opened O_DIRECT)
+        self._lock: WriterLock | None = None
         self._closed = False
 
     def describe(self) -> dict[str, object]:
@@ -115,6 +144,13 @@ class FileTier(Tier):
 
     def _data_path(self, manifest: Manifest) -> Path:
         return self._dir(manifest.step) / f"rank-{manifest.rank:05d}.data"
+
+    def _writable(self, what: str) -> None:
+        if self.readonly:
+            raise ConfigurationError(
+                f"tier {self.name!r} ({self.root}) was opened read-only: cannot {what}; "
+                "build it without readonly=True to write"
+            )
 
     async def _run(self, what: str, fn: object, *args: object) -> object:
         if self._closed:
@@ -132,17 +168,99 @@ class FileTier(Tier):
     # -- life cycle --------------------------------------------------------------------------
 
     async def open(self) -> None:
-        await self._run("open", self._open_sync)
+        """Check that the root is a file tier's; for writing, also create it, take the
+        writer's lock and remove what a crash left uncommitted (see the module docstring)."""
+        await self._run(f"open {self.root}", self._open_sync)
 
     def _open_sync(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigurationError(
+                f"FileTier root {self.root} is a file, not a directory; give a directory path"
+            )
+        if self.readonly:
+            if not self.root.is_dir():
+                raise SnapshotNotFoundError(f"{self.root}: no such directory (tier {self.name!r})")
+            self._survey(writing=False)  # refuses another store's location; changes nothing
+            return
+        if self.root.is_dir() and (self.world_size == 1 or self.rank == 0):
+            self._survey()  # a foreign location is refused before anything is written there
         self.root.mkdir(parents=True, exist_ok=True)
-        for entry in self.root.iterdir():
-            if _STEP_DIR.match(entry.name) and not (entry / MANIFEST).exists():
+        lock = WriterLock(self.root / lock_name(self.rank), str(self.root))
+        lock.acquire()
+        if self.world_size > 1 and self.rank != 0:
+            # rank 0 checks and cleans the shared root (every rank waits for it before
+            # writing); a second survey here would race with its removals
+            self._lock = lock
+            return
+        try:
+            marked, leftovers, temps = self._survey()
+            if not marked:
+                self._publish(self.root, MARKER, _marker_document(), sync_root=False)
+            for entry in leftovers:
                 shutil.rmtree(entry, ignore_errors=True)  # a crash left it uncommitted
-            elif entry.name.endswith(".tmp"):
-                entry.unlink(missing_ok=True)
-        for committed in self.root.glob("step-*/*.tmp"):
-            committed.unlink(missing_ok=True)
+            for temp in temps:
+                temp.unlink(missing_ok=True)
+        except BaseException:
+            lock.release()
+            raise
+        self._lock = lock
+
+    def _survey(self, *, writing: bool = True) -> tuple[bool, list[Path], list[Path]]:
+        """What the root holds: whether it carries the marker, the uncommitted step
+        directories a crash left, and the temporaries. Raises
+        :class:`~lazyckpt.ForeignLocationError` when anything says this is not a file tier's
+        location (nothing has been changed then). A reader (not ``writing``), which deletes
+        nothing, only refuses what another store wrote, not files it merely does not know."""
+        where = str(self.root)
+        marked = False
+        marker = self.root / MARKER
+        if marker.exists():
+            _check_marker(marker)
+            marked = True
+        leftovers: list[Path] = []
+        temps: list[Path] = []
+        strangers: list[str] = []
+        for entry in sorted(self.root.iterdir()):
+            name = entry.name
+            if name in _FOREIGN_SIGNS:
+                raise ForeignLocationError(
+                    f"{self.root} holds {_FOREIGN_SIGNS[name]}, not a file tier's snapshots; "
+                    "nothing was changed. Open it with the tier that wrote it, or give "
+                    "FileTier another directory.",
+                    location=where,
+                )
+            if _STEP_DIR.match(name) and entry.is_dir():
+                names = sorted(p.name for p in entry.iterdir())
+                temps += [entry / n for n in names if _TEMP.match(n)]
+                foreign = [n for n in names if not _STEP_FILE.match(n) and not _TEMP.match(n)]
+                if not writing:
+                    foreign = [n for n in foreign if n == "zarr.json"]
+                if foreign:
+                    what = (
+                        "a Zarr group (a ZarrTier location?)"
+                        if "zarr.json" in foreign
+                        else f"files a file tier never writes ({', '.join(foreign[:5])})"
+                    )
+                    raise ForeignLocationError(
+                        f"{entry} holds {what}; nothing was changed. Open the location with "
+                        "the tier that wrote it, or move that directory away.",
+                        location=where,
+                    )
+                if MANIFEST not in names:
+                    leftovers.append(entry)
+            elif _TEMP.match(name):
+                temps.append(entry)
+            elif not (_LOCK.match(name) or name == MARKER):
+                strangers.append(name)
+        if strangers and not marked and writing:
+            raise ForeignLocationError(
+                f"{self.root} holds {', '.join(strangers[:5])}"
+                f"{' and more' if len(strangers) > 5 else ''}, which a file tier did not "
+                "write, and no lazyckpt-file.json marker; nothing was changed. Give FileTier "
+                "an empty or new directory.",
+                location=where,
+            )
+        return marked, leftovers, temps
 
     async def aclose(self) -> None:
         if self._closed:
@@ -154,18 +272,24 @@ class FileTier(Tier):
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._lock is not None:
+            self._lock.release()  # after the last write: the next writer may start now
+            self._lock = None
 
     # -- writing -----------------------------------------------------------------------------
 
     async def begin(self, manifest: Manifest) -> None:
-        opened = await self._run("begin", self._begin_sync, manifest)
+        self._writable("write a snapshot")
+        opened = await self._run(f"begin step {manifest.step}", self._begin_sync, manifest)
         assert isinstance(opened, tuple)
         self._writing[manifest.step] = opened
 
     def _begin_sync(self, manifest: Manifest) -> tuple[int, bool]:
         d = self._dir(manifest.step)
         if (d / MANIFEST).exists():
-            raise FileExistsError(errno.EEXIST, f"step {manifest.step} is already committed")
+            raise FileExistsError(
+                errno.EEXIST, f"step {manifest.step} is already committed", str(d / MANIFEST)
+            )
         d.mkdir(parents=True, exist_ok=True)
         path = self._data_path(manifest)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -191,15 +315,18 @@ class FileTier(Tier):
     async def put_shard(self, manifest: Manifest, shard: ShardMeta, data: memoryview) -> None:
         opened = self._writing.get(manifest.step)
         if opened is None:
-            raise TierBrokenError(f"put_shard before begin for step {manifest.step}", tier=self.name)
+            raise TierBrokenError(
+                f"put_shard before begin for step {manifest.step}", tier=self.name
+            )
         fd, direct = opened
         if len(data) != shard.length:
             raise ConfigurationError(f"shard {shard.index}: {len(data)} bytes, not {shard.length}")
         pieces = range(0, shard.length, self.piece_bytes)
+        path = self._data_path(manifest)
         await asyncio.gather(
             *(
                 self._run(
-                    f"write shard {shard.index}",
+                    f"write shard {shard.index} to {path}",
                     self._pwrite,
                     fd,
                     direct,
@@ -210,7 +337,7 @@ class FileTier(Tier):
             )
         )
         hooks.point("file.write.before_sync")
-        await self._run(f"sync shard {shard.index}", os.fdatasync, fd)
+        await self._run(f"sync shard {shard.index} of {path}", os.fdatasync, fd)
 
     def _pwrite(self, fd: int, direct: bool, data: memoryview, offset: int) -> None:
         if direct:
@@ -243,19 +370,32 @@ class FileTier(Tier):
                     view.release()
 
     async def commit(self, manifest: Manifest) -> None:
+        self._writable("commit a snapshot")
         opened = self._writing.pop(manifest.step, None)
-        await self._run("commit", self._commit_sync, manifest, opened)
+        await self._run(
+            f"commit step {manifest.step} in {self._dir(manifest.step)}",
+            self._commit_sync,
+            manifest,
+            opened,
+        )
 
     async def commit_global(self, step: int, world_size: int) -> None:
         """Write the commit record of a step written by ``world_size`` ranks (idempotent)."""
         record = json.dumps(
             {"format": "lazyckpt-commit", "step": step, "world_size": world_size}
         ).encode()
-        await self._run("commit", self._publish, self._dir(step), MANIFEST, record)
+        self._writable("commit a snapshot")
+        await self._run(
+            f"commit step {step} in {self._dir(step)}",
+            self._publish,
+            self._dir(step),
+            MANIFEST,
+            record,
+        )
 
-    def _publish(self, d: Path, name: str, payload: bytes) -> None:
+    def _publish(self, d: Path, name: str, payload: bytes, *, sync_root: bool = True) -> None:
         """Write ``payload`` to ``d/name`` atomically and durably (unique temp, fsync,
-        rename, fsync of the directory and the root)."""
+        rename, fsync of the directory and, with ``sync_root``, the root)."""
         tmp = d / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -271,7 +411,8 @@ class FileTier(Tier):
         if name == MANIFEST:
             hooks.point("file.commit.after_rename")
         fsync_dir(d)
-        fsync_dir(self.root)
+        if sync_root:
+            fsync_dir(self.root)
 
     def _commit_sync(self, manifest: Manifest, opened: tuple[int, bool] | None) -> None:
         d = self._dir(manifest.step)
@@ -296,7 +437,9 @@ class FileTier(Tier):
         if opened is not None:
             with contextlib.suppress(OSError):
                 os.close(opened[0])
-        await self._run("abort", self._abort_sync, step)
+        if self.readonly:
+            return  # a read-only tier wrote nothing to abort
+        await self._run(f"abort step {step} in {self._dir(step)}", self._abort_sync, step)
 
     def _abort_sync(self, step: int) -> None:
         d = self._dir(step)
@@ -313,7 +456,7 @@ class FileTier(Tier):
     # -- reading -----------------------------------------------------------------------------
 
     async def steps(self) -> list[int]:
-        result = await self._run("list", self._steps_sync)
+        result = await self._run(f"list {self.root}", self._steps_sync)
         assert isinstance(result, list)
         return result
 
@@ -335,16 +478,18 @@ class FileTier(Tier):
         directory); a step written by a single process has one manifest, for any rank."""
         path = self._dir(step) / MANIFEST
         try:
-            data = await self._run("read manifest", path.read_bytes)
+            data = await self._run(f"read manifest {path}", path.read_bytes)
         except TierBrokenError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
-                raise SnapshotNotFoundError(f"step {step} is not committed on {self.name!r}") from None
+                raise SnapshotNotFoundError(
+                    f"step {step} is not committed on {self.name!r}"
+                ) from None
             raise
         assert isinstance(data, bytes)
         if b'"lazyckpt-commit"' in data[:64]:  # several ranks: read this rank's manifest
             path = self._dir(step) / f"rank-{rank:05d}.json"
             try:
-                data = await self._run("read manifest", path.read_bytes)
+                data = await self._run(f"read manifest {path}", path.read_bytes)
             except TierBrokenError as exc:
                 raise CorruptionError(f"{path} is missing from committed step {step}") from exc
             assert isinstance(data, bytes)
@@ -356,7 +501,13 @@ class FileTier(Tier):
         return manifest
 
     async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
-        await self._run(f"read shard {shard.index}", self._read_sync, manifest, shard, out)
+        await self._run(
+            f"read shard {shard.index} from {self._data_path(manifest)}",
+            self._read_sync,
+            manifest,
+            shard,
+            out,
+        )
 
     def _read_sync(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
         path = self._data_path(manifest)
@@ -377,7 +528,8 @@ class FileTier(Tier):
             os.close(fd)
 
     async def delete(self, step: int) -> None:
-        await self._run("delete", self._delete_sync, step)
+        self._writable("delete a snapshot")
+        await self._run(f"delete step {step} in {self._dir(step)}", self._delete_sync, step)
 
     def _delete_sync(self, step: int) -> None:
         d = self._dir(step)
@@ -396,6 +548,32 @@ class FileTier(Tier):
             if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
                 raise
             log.warning("step %d: removing %s left files behind (%s)", step, d, exc)
+
+
+def _marker_document() -> bytes:
+    return json.dumps({"format": MARKER_FORMAT, "version": LAYOUT_VERSION}).encode()
+
+
+def _check_marker(path: Path) -> None:
+    """The marker must say "file tier", in a format this version reads."""
+    try:
+        doc = json.loads(path.read_bytes())
+        kind, version = doc["format"], doc["version"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ForeignLocationError(
+            f"{path} is not a file tier's marker ({exc!r:.100}); nothing was changed",
+            location=str(path.parent),
+        ) from None
+    if kind != MARKER_FORMAT:
+        raise ForeignLocationError(
+            f"{path} marks a location of kind {kind!r}, not a file tier's; nothing was changed",
+            location=str(path.parent),
+        )
+    if type(version) is not int or version > LAYOUT_VERSION:
+        raise ConfigurationError(
+            f"{path.parent} was written by a newer lazyckpt (file layout {version!r}, this "
+            f"version reads up to {LAYOUT_VERSION}); upgrade lazyckpt"
+        )
 
 
 def _probe_direct(fd: int) -> None:

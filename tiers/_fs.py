@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
+import logging
 import os
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fsync_dir", "remove_tree"]
+from lazyckpt import LocationInUseError
+
+__all__ = ["WriterLock", "fsync_dir", "lock_name", "remove_tree"]
+
+log = logging.getLogger("lazyckpt")
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -40,3 +50,96 @@ def remove_tree(path: Path) -> None:
                 raise info[1]
 
         shutil.rmtree(path, onerror=onerror)
+
+
+def lock_name(rank: int) -> str:
+    """The lock file of one rank's writer (a single-process writer is rank 0)."""
+    return f".lazyckpt-writer-rank-{rank:05d}.lock"
+
+
+# what a file system without working flock answers (some NFS or FUSE mounts)
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class WriterLock:
+    """One writer per location: an advisory ``flock`` on a file, held while the writer lives.
+
+    The kernel releases it when the process exits or is killed, so a dead writer never blocks
+    the next one. The file records who holds it (process id, host, since when) for the error
+    a second writer gets; the file itself stays (removing it would let a third process lock a
+    new file while the second still holds the old one). Readers never take it.
+
+    Args:
+        path: the lock file.
+        location: what the error names (the tier's root or location).
+    """
+
+    def __init__(self, path: Path, location: str) -> None:
+        self.path = path
+        self.location = location
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`~lazyckpt.LocationInUseError` naming the holder."""
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            who = (
+                f"process {holder.get('pid')} on host {holder.get('host')!r} since "
+                f"{holder.get('since')}"
+                if holder
+                else "another process"
+            )
+            raise LocationInUseError(
+                f"{self.location} is being written by {who} (lock {self.path}): two writers on "
+                "one location corrupt each other. Stop the other writer or use another "
+                "location; restoring and the lazyckpt command line can read beside it.",
+                location=self.location,
+                holder=holder,
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_FLOCK:
+                raise
+            log.warning(
+                "%s: this file system has no working flock (%s); a second writer on this "
+                "location would not be stopped",
+                self.location,
+                exc.strerror,
+            )
+            return
+        holder_doc = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder_doc).encode() + b"\n", 0)
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let the next writer in (closing the descriptor drops the flock)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _read_holder(fd: int) -> dict[str, object] | None:
+    try:
+        doc = json.loads(os.pread(fd, 4096, 0))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None

@@ -43,6 +43,19 @@ once every rank's part is durable and the ranks agreed (the engine's coordinator
 index (and deletes steps, and cleans up at ``open()``), so no two processes read-modify-write
 the same object, and no two ranks write any object in common.
 
+One writer per location: on a path each writing rank holds an ``flock`` on
+``.lazyckpt-writer-rank-NNNNN.lock`` in the root for its life; on S3 it holds a lease, the
+object ``.lazyckpt-writer-rank-NNNNN.json``, created with a conditional PUT (``If-None-Match``)
+and renewed with ``If-Match`` on its ETag, so a second writer is refused at ``open()`` and a
+writer that lost its lease (it stalled past ``lease_seconds`` and another took over) fails
+before it writes again. Readers take neither.
+
+``open()`` deletes only what it can prove is its own uncommitted leftover: a step group
+missing from the index, under a root whose ``zarr.json`` carries lazyckpt's attributes, that
+holds nothing but this layout. A location another store wrote is refused
+(:class:`~lazyckpt.ForeignLocationError`). A root whose ``zarr.json`` was lost is rebuilt
+from the step groups whose commit records verify, and nothing is deleted on that open.
+
 ``docs/zarr.md`` has the plain-zarr recipe and the S3 configuration.
 """
 
@@ -54,11 +67,15 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import re
+import secrets
+import socket
 import struct
 import sys
+import time
 from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -76,7 +93,9 @@ from lazyckpt import (
     FORMAT_VERSION,
     ConfigurationError,
     CorruptionError,
+    ForeignLocationError,
     LazyCkptError,
+    LocationInUseError,
     Manifest,
     ShardMeta,
     SnapshotNotFoundError,
@@ -88,13 +107,19 @@ from lazyckpt import (
     TierLevel,
 )
 
+from ._fs import WriterLock, lock_name
 from ._zarr_store import DurableLocalStore
 
 __all__ = ["ZarrTier"]
 
+log = logging.getLogger("lazyckpt")
+
 T = TypeVar("T")
 
 _STEP_GROUP = re.compile(r"^step-(\d{12})$")
+_PART_GROUP = re.compile(r"^rank-\d{5}$")
+_STEP_CHILDREN = {"zarr.json", "tensors", "packed"}  # besides rank parts: all a step group holds
+_OURS_AT_ROOT = re.compile(r"^\.lazyckpt-writer-rank-\d{5}\.(lock|json)$")  # locks, leases
 _NO_CHUNK = 2**64 - 1  # a shard index entry for an inner chunk that was not written
 _MAX_NAME = 200  # bytes: file systems allow 255 per component, temporary names need a few
 
@@ -694,6 +719,18 @@ async def _awaited(aw: Awaitable[T]) -> T:
     return await aw
 
 
+def _is_file(path: Path) -> bool:
+    return path.exists() and not path.is_dir()
+
+
+def _lease_holder(raw: Any) -> dict[str, Any]:
+    try:
+        doc = json.loads(bytes(raw))
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 # -- the tier -----------------------------------------------------------------------------------
 
 
@@ -726,6 +763,12 @@ class ZarrTier(Tier):
         retry_timeout: seconds after which a failing S3 request is not retried any more.
         connect_timeout, request_timeout: S3 connection and whole-request limits, seconds.
         keep_last, keep_every: retention (see :class:`lazyckpt.Retention`).
+        readonly: only read (a restore, an inspection): ``open()`` creates, deletes and locks
+            nothing, a missing location or bucket is :class:`~lazyckpt.SnapshotNotFoundError`,
+            and writing is refused. A reader works beside a running writer.
+        lease_seconds: on S3, how long a writer's lease lasts without renewal (it renews at
+            every snapshot, and while writing one); a writer that was killed blocks the next
+            one until then. Hosts' clocks must agree to well within it.
     """
 
     level = TierLevel.PFS
@@ -751,8 +794,15 @@ class ZarrTier(Tier):
         request_timeout: float = 120.0,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        readonly: bool = False,
+        lease_seconds: float = 300.0,
     ) -> None:
         super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
+        self.readonly = readonly
+        if not lease_seconds > 0:
+            raise ConfigurationError(f"lease_seconds must be positive, got {lease_seconds!r}")
+        self.lease_seconds = float(lease_seconds)
+        self._retries = retries
         if sys.byteorder != "little":  # pragma: no cover - no big-endian test machine
             raise ConfigurationError("ZarrTier writes raw little-endian chunks; this host is not")
         if concurrency < 1 or io_threads < 1:
@@ -770,6 +820,7 @@ class ZarrTier(Tier):
         self.pack_chunk_bytes = pack_chunk_bytes
         self._io_threads = io_threads
         self._s3: _S3Settings | None = None
+        self._local: Path | None = None  # the root directory, for a path location
         s3_options = {
             "endpoint_url": endpoint_url,
             "region": region,
@@ -800,7 +851,8 @@ class ZarrTier(Tier):
                     f"ZarrTier takes a path or an s3:// URL, got {path.split('://')[0]}://"
                 )
             self.location = str(Path(path))
-            self._store = DurableLocalStore(path, io_threads=io_threads)
+            self._local = Path(path)
+            self._store = DurableLocalStore(path, read_only=readonly, io_threads=io_threads)
         else:
             raise ConfigurationError(
                 f"ZarrTier takes a path, an s3:// URL or a zarr Store, got {location!r}"
@@ -817,6 +869,8 @@ class ZarrTier(Tier):
         self._requests = asyncio.Semaphore(concurrency)
         self._index_lock = asyncio.Lock()
         self._delete_lock = asyncio.Lock()
+        self._writer_lock: WriterLock | None = None
+        self._lease: tuple[str, str, float] | None = None  # token, ETag, renewed (monotonic)
         self._closed = False
 
     def describe(self) -> dict[str, Any]:
@@ -843,16 +897,40 @@ class ZarrTier(Tier):
         if self._closed:
             raise TierClosedError("closed", tier=self.name)
         self._sync_primitives()
+        store = self._store
+        if self.readonly and isinstance(store, DurableLocalStore) and not store.read_only:
+            # readonly was set after construction (before any use): a store that never
+            # creates the directory
+            self._store = store.with_read_only(True)
         try:
             yield
         except LazyCkptError:
             raise
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        except Exception as exc:
+            if self._s3 is not None and "NoSuchBucket" in str(exc):
+                raise self._no_bucket() from None
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise TierFullError(f"{what}: out of space", tier=self.name) from exc
             raise TierBrokenError(f"{what}: {self._summary(exc)}", tier=self.name) from exc
-        except Exception as exc:
-            raise TierBrokenError(f"{what}: {self._summary(exc)}", tier=self.name) from exc
+
+    def _no_bucket(self) -> LazyCkptError:
+        assert self._s3 is not None
+        where = f" at {self._s3.public_endpoint}" if self._s3.public_endpoint else ""
+        if self.readonly:
+            return SnapshotNotFoundError(
+                f"{self.location}: the bucket {self._s3.bucket!r} does not exist{where}"
+            )
+        return ConfigurationError(
+            f"{self.location}: the bucket {self._s3.bucket!r} does not exist{where}; create it "
+            "(lazyckpt never creates buckets) or fix the location"
+        )
+
+    def _writable(self, what: str) -> None:
+        if self.readonly:
+            raise ConfigurationError(
+                f"tier {self.name!r} ({self.location}) was opened read-only: cannot {what}; "
+                "build it without readonly=True to write"
+            )
 
     def _summary(self, exc: BaseException) -> str:
         """The first line of a backend error, without anything secret."""
@@ -948,9 +1026,10 @@ class ZarrTier(Tier):
         except (ValueError, AttributeError) as exc:
             raise CorruptionError(f"{self.location}/zarr.json is not a Zarr group: {exc}") from exc
         if not isinstance(doc.get("attributes", {}).get("lazyckpt"), dict):
-            raise ConfigurationError(
-                f"{self.location} holds a Zarr group that lazyckpt did not write; give "
-                "ZarrTier an empty location"
+            raise ForeignLocationError(
+                f"{self.location} holds a Zarr group that lazyckpt did not write; nothing was "
+                "changed. Give ZarrTier an empty or new location.",
+                location=self.location,
             )
         return doc  # type: ignore[no-any-return]
 
@@ -983,28 +1062,295 @@ class ZarrTier(Tier):
     # -- life cycle ------------------------------------------------------------------------
 
     async def open(self) -> None:
-        with self._backend("open"):
-            root = await self._read_root()
-            if root is None and self._committer:
-                await self._put(
-                    "zarr.json",
-                    _group_doc({"lazyckpt": {"format_version": FORMAT_VERSION, "committed": []}}),
-                )
-            version = int(root["attributes"]["lazyckpt"].get("format_version", 1)) if root else 1
-            if version > FORMAT_VERSION:
+        """Check that the location is a lazyckpt Zarr store; for writing, also create it,
+        take the writer's lock (path) or lease (S3), rebuild a lost index, and remove what a
+        crash left uncommitted (see the module docstring)."""
+        with self._backend(f"open {self.location}"):
+            local = self._local
+            if local is not None and await asyncio.to_thread(_is_file, local):
                 raise ConfigurationError(
-                    f"{self.location} was written by a newer lazyckpt (format {version}); upgrade"
+                    f"ZarrTier location {local} is a file, not a directory; give a directory"
                 )
+            if self.readonly:
+                await self._open_readonly()
+                return
+            if self._committer and await self._read_root() is None:
+                # a foreign location is refused before the lock or lease is written there
+                await self._rebuild_index(self._check_root_names(await self._names("")))
+            await self._take_writer_lock()
+            try:
+                await self._open_for_writing()
+            except BaseException:
+                await self._drop_writer_lock()
+                raise
+
+    async def _open_readonly(self) -> None:
+        root = await self._read_root()
+        if root is not None:
+            self._check_version(root)
+            return
+        names = await self._names("")
+        steps = self._check_root_names(names)
+        if steps:
+            raise CorruptionError(
+                f"{self.location}/zarr.json, the commit index, is missing but step groups are "
+                "there; open the location once for writing (ZarrTier without readonly) to "
+                "rebuild the index from the steps whose commit records verify"
+            )
+        raise SnapshotNotFoundError(f"{self.location}: no lazyckpt Zarr store there")
+
+    async def _open_for_writing(self) -> None:
+        root = await self._read_root()
+        if root is None:
             if not self._committer:
-                return  # rank 0 cleans up; every rank waits for it before writing
-            committed = set(self._committed(root))
-            leftovers = []
-            async for name in self._store.list_dir(""):
-                m = _STEP_GROUP.match(name.rstrip("/"))
-                if m and int(m.group(1)) not in committed:
-                    leftovers.append(m.group(0))
-            # what a crash left: snapshots that never reached the index
-            await self._all(self._request(self._store.delete_dir(p)) for p in leftovers)
+                return  # rank 0 creates the root; every rank waits for it before writing
+            names = await self._names("")
+            steps = self._check_root_names(names)
+            committed = await self._rebuild_index(steps)
+            await self._put(
+                "zarr.json",
+                _group_doc(
+                    {"lazyckpt": {"format_version": FORMAT_VERSION, "committed": committed}}
+                ),
+            )
+            if steps:
+                log.warning(
+                    "%s: the commit index (zarr.json) was missing; rebuilt it from the %d of "
+                    "%d step groups whose commit records verify (%s); the others were left "
+                    "in place",
+                    self.location,
+                    len(committed),
+                    len(steps),
+                    ", ".join(map(str, committed[-5:])) or "none",
+                )
+            return  # nothing is deleted on the open that rebuilt the index
+        self._check_version(root)
+        if not self._committer:
+            return  # rank 0 cleans up; every rank waits for it before writing
+        indexed = set(self._committed(root))
+        leftovers = []
+        async for name in self._store.list_dir(""):
+            m = _STEP_GROUP.match(name.rstrip("/"))
+            if m and int(m.group(1)) not in indexed:
+                leftovers.append(m.group(0))
+        for prefix in leftovers:  # each must be this layout, or nothing is deleted
+            strange = [
+                n
+                for n in await self._names(prefix)
+                if n not in _STEP_CHILDREN and not _PART_GROUP.match(n)
+            ]
+            if strange:
+                raise ForeignLocationError(
+                    f"{self.location}/{prefix} is not committed but holds "
+                    f"{', '.join(strange[:5])}, which ZarrTier never writes; nothing was "
+                    "deleted. Move it away.",
+                    location=self.location,
+                )
+        # what a crash left: snapshots that never reached the index
+        await self._all(self._request(self._store.delete_dir(p)) for p in leftovers)
+
+    def _check_version(self, root: dict[str, Any]) -> None:
+        version = int(root["attributes"]["lazyckpt"].get("format_version", 1))
+        if version > FORMAT_VERSION:
+            raise ConfigurationError(
+                f"{self.location} was written by a newer lazyckpt (format {version}); upgrade"
+            )
+
+    async def _names(self, prefix: str) -> list[str]:
+        return [n.rstrip("/") async for n in self._store.list_dir(prefix)]
+
+    def _check_root_names(self, names: list[str]) -> list[str]:
+        """The step groups at a root without its ``zarr.json``; raises
+        :class:`~lazyckpt.ForeignLocationError` for anything ZarrTier does not write."""
+        if "lazyckpt-file.json" in names:
+            raise ForeignLocationError(
+                f"{self.location} is a FileTier location (lazyckpt-file.json), not a Zarr "
+                "store; nothing was changed. Open it with FileTier, or give ZarrTier another "
+                "location.",
+                location=self.location,
+            )
+        strangers = [n for n in names if not _STEP_GROUP.match(n) and not _OURS_AT_ROOT.match(n)]
+        if strangers:
+            raise ForeignLocationError(
+                f"{self.location} holds {', '.join(sorted(strangers)[:5])}, which ZarrTier "
+                "did not write, and no lazyckpt zarr.json; nothing was changed. Give ZarrTier "
+                "an empty or new location.",
+                location=self.location,
+            )
+        return sorted(n for n in names if _STEP_GROUP.match(n))
+
+    async def _rebuild_index(self, groups: list[str]) -> list[int]:
+        """The steps among ``groups`` whose commit records verify (a lost index, rebuilt).
+
+        A group without a commit record was never committed and is left alone; a record
+        that does not verify stops the open, since nobody can tell what it held."""
+        committed = []
+        for prefix in groups:
+            step = int(prefix[len("step-") :])
+            names = await self._names(prefix)
+            if "manifest.json" in names or any(n.endswith(".data") for n in names):
+                raise ForeignLocationError(
+                    f"{self.location}/{prefix} is a FileTier snapshot (manifest.json, "
+                    "rank-*.data), not a Zarr group; nothing was changed. Open the location "
+                    "with FileTier.",
+                    location=self.location,
+                )
+            if "zarr.json" not in names:
+                continue  # never committed
+            key = f"{prefix}/zarr.json"
+            try:
+                attrs = await self._group_attributes(key)
+                if "manifest" in attrs:
+                    source = f"{self.location}/{key}"
+                    manifest = Manifest.from_json(json.dumps(attrs["manifest"]), source=source)
+                    if manifest.step != step:
+                        raise CorruptionError(f"it holds step {manifest.step}")
+                else:
+                    world = attrs.get("world_size")
+                    if attrs.get("step") != step or type(world) is not int or world < 2:
+                        raise CorruptionError("it is neither a manifest nor a commit record")
+                    for rank in range(world):
+                        await self._group_attributes(f"{_part_prefix(step, rank, world)}/zarr.json")
+            except CorruptionError as exc:
+                raise CorruptionError(
+                    f"{self.location}/zarr.json (the commit index) is missing, and whether "
+                    f"step {step} was committed cannot be verified ({exc}); nothing was "
+                    f"changed. Move {prefix} away to rebuild the index without it."
+                ) from exc
+            committed.append(step)
+        return committed
+
+    # -- one writer per location -----------------------------------------------------------
+
+    async def _take_writer_lock(self) -> None:
+        if self._local is not None:
+            lock = WriterLock(self._local / lock_name(self.rank), self.location)
+
+            def take() -> None:
+                assert self._local is not None
+                self._local.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
+
+            await asyncio.to_thread(take)
+            self._writer_lock = lock
+        elif self._s3 is not None:
+            await self._acquire_lease()
+        # any other Store: the caller's to keep to one writer (docs/zarr.md)
+
+    async def _drop_writer_lock(self) -> None:
+        if self._writer_lock is not None:
+            self._writer_lock.release()
+            self._writer_lock = None
+        if self._lease is not None:
+            token = self._lease[0]
+            self._lease = None
+            with contextlib.suppress(Exception):  # it expires anyway
+                import obstore
+
+                key = self._lease_key()
+                held = await self._request(obstore.get_async(self._backend_store, key))
+                if _lease_holder(await held.bytes_async()).get("token") == token:
+                    await self._request(obstore.delete_async(self._backend_store, key))
+
+    @property
+    def _backend_store(self) -> Any:
+        return self._store.store  # type: ignore[attr-defined]  # zarr's ObjectStore wrapper
+
+    def _lease_key(self) -> str:
+        return f".lazyckpt-writer-rank-{self.rank:05d}.json"
+
+    def _lease_document(self, token: str) -> bytes:
+        return _json(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "expires": time.time() + self.lease_seconds,
+                "token": token,
+            }
+        )
+
+    async def _lease_put(self, token: str, mode: Any) -> str | None:
+        """PUT this writer's lease conditionally; its ETag, or ``None`` when the condition
+        failed because someone else's lease is there. S3 clients do not retry conditional
+        PUTs, so a dropped connection is retried here; a retry that finds the lease its own
+        earlier attempt wrote (same token) counts as done."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        key = self._lease_key()
+        for attempt in range(self._retries + 1):
+            try:
+                put = await self._request(
+                    obstore.put_async(
+                        self._backend_store, key, self._lease_document(token), mode=mode
+                    )
+                )
+                return str(put["e_tag"])
+            except (AlreadyExistsError, PreconditionError):
+                held = await self._request(obstore.get_async(self._backend_store, key))
+                if _lease_holder(await held.bytes_async()).get("token") == token:
+                    return str(held.meta["e_tag"])
+                return None
+            except Exception:
+                if attempt == self._retries:
+                    raise
+                await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _acquire_lease(self) -> None:
+        """Create the lease object, or take over one that expired; never overwrite a live
+        one (conditional PUTs: ``If-None-Match: *``, then ``If-Match`` on its ETag)."""
+        import obstore
+
+        key, token = self._lease_key(), secrets.token_hex(8)
+        etag = await self._lease_put(token, "create")
+        if etag is None:
+            held = await self._request(obstore.get_async(self._backend_store, key))
+            holder = _lease_holder(await held.bytes_async())
+            expires = holder.get("expires")
+            if not isinstance(expires, int | float) or expires > time.time():
+                raise self._in_use(key, holder)
+            # expired: its writer died; take it over unless someone else just did
+            etag = await self._lease_put(token, {"e_tag": held.meta["e_tag"]})
+            if etag is None:
+                raise self._in_use(key, None)
+        self._lease = (token, etag, time.monotonic())
+
+    def _in_use(self, key: str, holder: dict[str, Any] | None) -> LocationInUseError:
+        who = (
+            f"process {holder.get('pid')} on host {holder.get('host')!r} (lease until "
+            f"{time.strftime('%H:%M:%S UTC', time.gmtime(float(holder.get('expires', 0))))})"
+            if holder
+            else "another process"
+        )
+        return LocationInUseError(
+            f"{self.location} is being written by {who}, lease {self.location}/{key}: two "
+            "writers on one location corrupt each other. Stop the other writer or use another "
+            "location; if it was killed, its lease expires after lease_seconds. Restoring and "
+            "the lazyckpt command line can read beside it.",
+            location=self.location,
+            holder={k: v for k, v in holder.items() if k != "token"} if holder else None,
+        )
+
+    async def _renew_lease(self) -> None:
+        """Before writing: renew the lease once a third of it has passed; a lease another
+        writer took over (this one stalled past it) stops this writer here."""
+        if self._lease is None:
+            return
+        token, etag, renewed = self._lease
+        if time.monotonic() - renewed < self.lease_seconds / 3:
+            return
+        new_etag = await self._lease_put(token, {"e_tag": etag})
+        if new_etag is None:
+            self._lease = None
+            raise LocationInUseError(
+                f"{self.location}: this writer's lease expired and another writer took the "
+                "location over; this one stops writing here",
+                location=self.location,
+                holder=None,
+            )
+        self._lease = (token, new_etag, time.monotonic())
 
     async def aclose(self) -> None:
         if self._closed:
@@ -1017,11 +1363,14 @@ class ZarrTier(Tier):
             await asyncio.to_thread(self._store.close)
         if self._pool is not None:
             await asyncio.to_thread(self._pool.shutdown, wait=True)
+        await self._drop_writer_lock()  # after the last write: the next writer may start
 
     # -- writing ---------------------------------------------------------------------------
 
     async def begin(self, manifest: Manifest) -> None:
+        self._writable("write a snapshot")
         with self._backend("begin"):
+            await self._renew_lease()
             root = await self._read_root()
             if root is None and manifest.world_size > 1:
                 raise ConfigurationError(
@@ -1047,6 +1396,7 @@ class ZarrTier(Tier):
                 raise ConfigurationError(
                     f"shard {shard.index}: {len(data)} bytes, not {shard.length}"
                 )
+            await self._renew_lease()
             plan = self._plan(manifest)
             target = plan.targets[shard.index]
             if isinstance(target, _ChunkTarget):
@@ -1061,7 +1411,9 @@ class ZarrTier(Tier):
         """Make this snapshot durable and, written by one rank, visible. With several ranks
         this publishes this rank's part only (its group's ``zarr.json``, with its manifest);
         :meth:`commit_global` makes the step visible once every rank has done so."""
+        self._writable("commit a snapshot")
         with self._backend("commit"):
+            await self._renew_lease()
             plan = self._plan(manifest)
             if manifest.step not in self._begun:  # committed without begin(): metadata owed
                 await self._put_documents(plan)
@@ -1086,6 +1438,8 @@ class ZarrTier(Tier):
         with self._backend("commit"):
             if world_size == 1:
                 return  # commit() published it
+            self._writable("commit a snapshot")
+            await self._renew_lease()
             prefix = _step_prefix(step)
             if not self._committer:
                 if not self._shared_checked:
@@ -1112,6 +1466,8 @@ class ZarrTier(Tier):
     async def abort(self, step: int) -> None:
         with self._backend("abort"):
             self._forget(step)
+            if self.readonly:
+                return  # a read-only tier wrote nothing to abort
             if step in self._committed(await self._read_root()):
                 return
             if self.world_size == 1:
@@ -1246,6 +1602,8 @@ class ZarrTier(Tier):
             self._forget(step)
             if not self._committer:
                 return
+            self._writable("delete a snapshot")
+            await self._renew_lease()
             async with self._delete_lock:
                 await self._update_index(remove=step)  # un-commit first
                 await self._store.delete_dir(_step_prefix(step))

@@ -14,6 +14,17 @@ instances over the *same* storage (that is how persistence is checked). Set
 ``persistent = False`` for a tier that forgets everything when closed (host memory).
 Override :meth:`TierTests.raw_steps` to add an oracle that lists committed steps without
 the tier's own code.
+
+Locations are shared, so the suite also checks how a tier guards one (each a class flag, on
+by default; a tier whose instances share no storage, like host memory, turns them off):
+
+- ``one_writer``: a second instance opened for writing while the first is open fails with
+  :class:`~lazyckpt.LocationInUseError`, and can open once the first is closed.
+- ``honours_readonly``: an instance with ``readonly`` set opens beside a writer, sees its
+  commits, refuses to write, and on a location that does not exist raises
+  :class:`~lazyckpt.SnapshotNotFoundError` and creates nothing there.
+- :meth:`TierTests.plant_foreign`: put at the location what another kind of store writes;
+  opening it must then fail with :class:`~lazyckpt.ForeignLocationError` and change nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ import torch
 
 from .._errors import (
     CorruptionError,
+    ForeignLocationError,
     LazyCkptError,
+    LocationInUseError,
     SnapshotNotFoundError,
     TierError,
 )
@@ -57,6 +70,8 @@ class TierTests:
 
     pytestmark: ClassVar[list[Any]] = [pytest.mark.asyncio]
     persistent: ClassVar[bool] = True
+    one_writer: ClassVar[bool] = True
+    honours_readonly: ClassVar[bool] = True
 
     @pytest.fixture
     def make_tier(self) -> Callable[[], Tier]:
@@ -64,6 +79,17 @@ class TierTests:
 
     async def raw_steps(self, tier: Tier) -> list[int] | None:
         """Committed steps read from the backend without the tier's code (None: no oracle)."""
+        return None
+
+    async def plant_foreign(self) -> Callable[[], object] | None:
+        """Put what another kind of store writes at the location ``make_tier`` uses, and
+        return a function whose result must not change when the tier refuses to open there
+        (a listing, say); ``None`` for a tier without a location another store could share."""
+        return None
+
+    async def missing_location(self) -> tuple[Tier, Callable[[], bool]] | None:
+        """A read-only instance of the tier over a location that does not exist, and a
+        function that says whether that location exists now (``None``: not applicable)."""
         return None
 
     @asynccontextmanager
@@ -244,3 +270,69 @@ class TierTests:
             buf = bytearray(bogus.length)
             with pytest.raises((CorruptionError, TierError)):
                 await tier.read_shard(bogus_manifest, bogus, memoryview(buf))
+
+    # -- guarding a shared location ----------------------------------------------------------
+
+    async def test_second_writer_is_refused(self, make_tier: Callable[[], Tier]) -> None:
+        if not self.one_writer:
+            pytest.skip("instances of this tier share no storage")
+        manifest, payloads = build_snapshot(1, _sample_state())
+        async with self.opened(make_tier) as first:
+            second = make_tier()
+            try:
+                with pytest.raises(LocationInUseError):
+                    await second.open()
+            finally:
+                await second.aclose()
+            await self.write(first, manifest, payloads)  # the first goes on unharmed
+        async with self.opened(make_tier) as again:  # free once the first is closed
+            assert await again.steps() == [1]
+
+    async def test_reader_beside_a_writer(self, make_tier: Callable[[], Tier]) -> None:
+        if not self.honours_readonly:
+            pytest.skip("this tier does not offer read-only opens")
+        manifest, payloads = build_snapshot(2, _sample_state())
+        async with self.opened(make_tier) as writer:
+            await self.write(writer, manifest, payloads)
+            reader = make_tier()
+            reader.readonly = True
+            await reader.open()
+            try:
+                assert await reader.steps() == [2]
+                assert await self.read_all(reader, await reader.read_manifest(2)) == payloads
+                later, _ = build_snapshot(3, _sample_state())
+                with pytest.raises(LazyCkptError):
+                    await reader.begin(later)
+                with pytest.raises(LazyCkptError):
+                    await reader.delete(2)
+            finally:
+                await reader.aclose()
+            assert await writer.steps() == [2]
+
+    async def test_readonly_open_creates_nothing(self, make_tier: Callable[[], Tier]) -> None:
+        found = await self.missing_location()
+        if found is None:
+            pytest.skip("this tier has no location that could be missing")
+        tier, exists = found
+        assert tier.readonly
+        try:
+            with pytest.raises(SnapshotNotFoundError):
+                await tier.open()
+        finally:
+            await tier.aclose()
+        assert not exists()
+
+    async def test_foreign_location_is_refused(self, make_tier: Callable[[], Tier]) -> None:
+        snapshot = await self.plant_foreign()
+        if snapshot is None:
+            pytest.skip("no other store could share this tier's location")
+        before = snapshot()
+        for readonly in (False, True):
+            tier = make_tier()
+            tier.readonly = readonly
+            try:
+                with pytest.raises(ForeignLocationError):
+                    await tier.open()
+            finally:
+                await tier.aclose()
+            assert snapshot() == before, "the tier changed a location it refused"

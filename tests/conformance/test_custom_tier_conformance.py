@@ -17,6 +17,11 @@ from custom_tier import DictStoreTier
 
 
 class TestDictStoreTier(TierTests):
+    # the toy example keeps it short: it neither locks its bucket nor offers read-only opens
+    # (docs/tiers.md says how a real tier does both)
+    one_writer = False
+    honours_readonly = False
+
     @pytest.fixture
     def make_tier(self) -> Callable[[], Tier]:
         bucket = f"test-{uuid.uuid4().hex}"

@@ -20,6 +20,17 @@ class TestFileTier(TierTests):
     async def raw_steps(self, tier: Tier) -> list[int] | None:
         return _listed(self.root)
 
+    async def plant_foreign(self) -> Callable[[], object]:
+        # what a ZarrTier leaves: a root group and a committed step group
+        (self.root / "step-000000000001").mkdir(parents=True)
+        (self.root / "zarr.json").write_text('{"zarr_format":3,"node_type":"group"}')
+        (self.root / "step-000000000001" / "zarr.json").write_text("{}")
+        return lambda: _tree(self.root)
+
+    async def missing_location(self) -> tuple[Tier, Callable[[], bool]]:
+        where = self.root.parent / "missing" / "ckpt"
+        return FileTier(where, readonly=True), (self.root.parent / "missing").exists
+
 
 def _listed(root: Path) -> list[int]:
     """The oracle: a step is committed exactly when its manifest file exists."""
@@ -29,6 +40,15 @@ def _listed(root: Path) -> list[int]:
         int(name.split("-")[1])
         for name in os.listdir(root)
         if os.path.exists(root / name / "manifest.json")
+    )
+
+
+def _tree(root: Path) -> list[tuple[str, int]]:
+    """Every file under ``root`` with its size: what must not change."""
+    return sorted(
+        (os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))
+        for d, _, files in os.walk(root)
+        for f in files
     )
 
 

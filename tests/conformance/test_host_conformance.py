@@ -11,6 +11,8 @@ from tiers import HostMemoryTier
 
 class TestHostMemoryTier(TierTests):
     persistent = False
+    one_writer = False  # each instance is its own memory: there is no shared location
+    honours_readonly = False
 
     @pytest.fixture
     def make_tier(self) -> Callable[[], Tier]:
