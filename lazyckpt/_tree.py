@@ -28,7 +28,8 @@ torch.Generator     ``{"$generator": ["cpu", {"$tensor": i}]}`` (its ``get_state
 numpy Generator     ``{"$np_generator": <bit_generator.state, encoded>}``
 numpy RandomState   ``{"$np_random_state": <get_state(legacy=False), encoded>}``
 random.Random       ``{"$random": <getstate(), encoded>}``
-dataclass instance  ``{"$dataclass": ["module.Name", {"$dict": fields}]}``
+dataclass instance  ``{"$dataclass": ["module.Name", {"$dict": fields}]}`` (pickled instead
+                    with ``allow_pickle=True``, to come back as its own class)
 Stateful object     ``{"$stateful": <its state_dict, encoded>}``
 anything else       ``{"$pickle": "<base64>"}`` only with ``allow_pickle=True``
 ==================  ==========================================
@@ -303,7 +304,12 @@ class _Walker:
 
     def _encode_object(self, obj: Any, key: str) -> JSON:
         """The trainer-state objects that have a tag of their own; None for any other."""
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # with pickle allowed, a dataclass is pickled, so that it comes back as its own class
+        if (
+            not self.allow_pickle
+            and dataclasses.is_dataclass(obj)
+            and not isinstance(obj, type)
+        ):
             cls = type(obj)
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
             name = f"{cls.__module__}.{cls.__qualname__}"

@@ -140,6 +140,15 @@ async def test_dataclasses_come_back_as_fields_and_load_into_a_live_instance(
     assert torch.equal(ema, saved.ema)
 
 
+async def test_with_pickle_allowed_a_dataclass_comes_back_as_its_class(tmp_path: Path) -> None:
+    saved = TrainState(3, 0.25, [1.0], torch.arange(2.0))
+    async with lazyckpt.Checkpointer(tiers(tmp_path), allow_pickle=True, **SMALL) as ckpt:
+        await (await ckpt.snapshot({"train": saved}, step=1)).committed()
+        back = await ckpt.restore(1)
+    assert type(back["train"]) is TrainState and back["train"].epoch == 3
+    assert torch.equal(back["train"].ema, saved.ema)
+
+
 async def test_a_frozen_dataclass_target_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="frozen dataclass"):
         await save_and_restore(tmp_path, {"f": Frozen(2)}, into={"f": Frozen(0)})
