@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,15 +67,18 @@ def test_the_sync_handle_raises_too() -> None:
 
 
 async def test_committed_means_kept_while_snapshots_overlap() -> None:
-    # room for two and a half snapshots; six are taken before any capture finishes, so
+    # room for two and a half snapshots; six are asked for before any capture finishes, so
     # they compete for the arena: each one that says committed was kept whole when it did,
-    # and the newest that fit stay
+    # and the newest that fit stay. (`await snapshot()` waits, cooperatively, for the
+    # earlier captures and for room: the six are asked for by six tasks.)
     host = RecordingHost(2 * SNAPSHOT + (128 << 10))
     async with lazyckpt.Checkpointer([host], **SMALL) as ckpt:
         gate, restore = hold_captures(ckpt)
-        handles = [await ckpt.snapshot(state(step), step=step) for step in range(6)]
+        asking = [asyncio.create_task(ckpt.snapshot(state(step), step=step)) for step in range(6)]
+        await asyncio.sleep(0.05)
         gate.set()
         restore()
+        handles = await asyncio.gather(*asking)
         for handle in handles:
             await handle.committed()
         assert sorted(host.accepted) == list(range(6))
