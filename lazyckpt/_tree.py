@@ -53,15 +53,13 @@ import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from ._dist import DistInfo, ReplicatedMarker, local_chunk, replicated_info
 from ._errors import CorruptionError, UnsupportedStateError
-
-if TYPE_CHECKING:
-    from ._dtensor import DistInfo
 
 __all__ = [
     "INLINE_ARRAY_BYTES",
@@ -119,7 +117,7 @@ class TensorRef:
 
     For a DTensor, ``tensor`` is its local chunk (a view), ``dtensor`` the DTensor itself and
     ``dist`` where the chunk lies in the global tensor; ``dist`` is also set for a plain
-    tensor under :class:`~lazyckpt._dtensor.Replicated`.
+    tensor under :class:`~lazyckpt.Replicated`.
     """
 
     key: str
@@ -273,10 +271,7 @@ class _Walker:
             finally:
                 self._active.discard(id(obj))
         if isinstance(obj, Stateful):
-            # imported here: _dtensor needs _manifest, which imports this module
-            from ._dtensor import Replicated
-
-            marker = isinstance(obj, Replicated)
+            marker = isinstance(obj, ReplicatedMarker)
             self._replicated += marker
             try:
                 return {"$stateful": self.encode(obj.state_dict(), key)}
@@ -380,16 +375,12 @@ class _Walker:
         dist: DistInfo | None = None
         dtensor: torch.Tensor | None = None
         if type(t) is not torch.Tensor and type(t) is not _Parameter:
-            from ._dtensor import local_chunk  # here for the same reason as Replicated
-
             found = local_chunk(t, key)
             if found is not None:
                 dtensor = t
                 t, dist = found
         _check_tensor(key, t)
         if dist is None and self._replicated:
-            from ._dtensor import replicated_info
-
             dist = replicated_info(t)
         # aliases share a data pointer: the full identity is compared only on a shared one
         ptr = t.data_ptr()

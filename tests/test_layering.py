@@ -41,3 +41,100 @@ def test_builtin_tiers_register_through_the_entry_point() -> None:
 def test_public_names_are_exported() -> None:
     for name in lazyckpt.__all__:
         assert hasattr(lazyckpt, name), name
+
+
+# The layers of the package, lowest first (docs/design.md, "Dependency direction"). A module
+# may import modules of its own layer or of a lower one, never of a higher one; imports
+# inside functions and under TYPE_CHECKING count like any other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("_errors", "hooks", "_loop", "_progress"),
+    ("_dist", "_tree", "_manifest", "_state", "_arena", "_metrics", "_distributed"),
+    ("_tier",),
+    ("_capture", "_cuda", "_restore", "_dtensor", "_engine"),
+    ("", "_checkpointer", "timeline"),
+    ("cli", "integrations", "testing"),
+)
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module of the package (dotted, relative to it: "" is the package itself) and
+    the package modules it imports, wherever the import statement stands."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".") if package else []
+                    base = base[: len(base) - (node.level - 1)]
+                else:
+                    if not (node.module or "").startswith("lazyckpt"):
+                        continue
+                    base = []
+                module = (node.module or "").removeprefix("lazyckpt").lstrip(".") if not node.level else node.module or ""
+                stem = ".".join([*base, *([module] if module else [])])
+                # `from X import name`: the submodule X.name where there is one, else X itself
+                candidates = [
+                    sub if (sub := f"{stem}.{a.name}".lstrip(".")) in modules else stem
+                    for a in node.names
+                ]
+            elif isinstance(node, ast.Import):
+                candidates = [
+                    a.name.removeprefix("lazyckpt").lstrip(".")
+                    for a in node.names
+                    if a.name == "lazyckpt" or a.name.startswith("lazyckpt.")
+                ]
+            else:
+                continue
+            targets.update(c for c in candidates if c in modules and c != name)
+        found[name] = targets
+    return found
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0]
+    for depth, layer in enumerate(LAYERS):
+        if module in layer or top in layer:
+            return depth
+    raise AssertionError(f"lazyckpt.{module} is in no layer: add it to LAYERS and docs/design.md")
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = [
+        f"lazyckpt.{m} (layer {_layer(m)}) imports lazyckpt.{t} (layer {_layer(t)})"
+        for m, targets in _imports().items()
+        for t in targets
+        if _layer(t) > _layer(m)
+    ]
+    assert not upward, upward
+
+
+def test_no_import_cycles() -> None:
+    graph = _imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = [*path[path.index(nxt) :], nxt]
+                raise AssertionError("import cycle: " + " -> ".join(f"lazyckpt.{c}" for c in cycle))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
