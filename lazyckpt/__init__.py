@@ -10,6 +10,7 @@ from ._arena import ArenaStats, Block, HostArena
 from ._checkpointer import (
     Checkpointer,
     SnapshotHandle,
+    SnapshotInFlightError,
     SnapshotSkippedError,
     SnapshotSkippedWarning,
     SyncCheckpointer,
@@ -83,6 +84,7 @@ __all__ = [
     "ShardState",
     "SnapshotFailedError",
     "SnapshotHandle",
+    "SnapshotInFlightError",
     "SnapshotNotFoundError",
     "SnapshotSkippedError",
     "SnapshotSkippedWarning",

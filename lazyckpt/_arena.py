@@ -259,13 +259,7 @@ class HostArena:
                 return block
             if not self._evictable:
                 return None
-            _, victim = self._evictable.popitem(last=False)
-            self._evictions += 1
-            self._evictable_bytes -= victim.extent
-            victim.evictable = False
-            if victim.on_evict is not None:
-                victim.on_evict(victim)
-            self._free(victim)
+            self._evict_oldest()
 
     async def allocate(self, nbytes: int) -> Block:
         """A held block of ``nbytes``; waits (backpressure) until one fits."""
@@ -286,6 +280,71 @@ class HostArena:
             if block is not None:
                 return block
 
+    def try_allocate_all(self, sizes: list[int]) -> list[Block] | None:
+        """Held blocks for every size in ``sizes`` at once, or None (nothing taken).
+
+        Evictable blocks are reclaimed only when free plus evictable space could hold all of
+        them; if the free space is still too fragmented once every evictable block is gone
+        (others hold blocks in between), the blocks taken so far are given back.
+        """
+        extents = [_align(max(n, 1)) for n in sizes]
+        if sum(extents) > self.capacity:
+            raise ConfigurationError(
+                f"{len(sizes)} blocks of {sum(extents)} bytes in all do not fit an arena of "
+                f"{self.capacity} bytes"
+            )
+        free = self.capacity - self._held_bytes - self._evictable_bytes
+        if free + self._evictable_bytes < sum(extents):
+            return None  # evicting now would lose kept blocks and still not make room
+        taken: list[Block] = []
+        while True:
+            for nbytes, extent in zip(sizes[len(taken) :], extents[len(taken) :], strict=True):
+                block = self._take(nbytes, extent)
+                if block is None:
+                    break
+                taken.append(block)
+            if len(taken) == len(sizes):
+                return taken
+            if not self._evictable:
+                for block in taken:  # quietly: waking the other waiters would only repeat this
+                    self._held_bytes -= block.extent
+                    self._free(block, notify=False)
+                return None
+            self._evict_oldest()
+
+    async def allocate_all(self, sizes: list[int]) -> list[Block]:
+        """Held blocks for every size in ``sizes``, all at once; waits until they fit.
+
+        Taking them together means a caller never holds part of what it needs while waiting
+        for the rest, so two callers that each need most of the arena cannot wait for each
+        other forever.
+        """
+        blocks = self.try_allocate_all(sizes)
+        if blocks is not None:
+            return blocks
+        self._waits += 1
+        loop = asyncio.get_running_loop()
+        while True:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            blocks = self.try_allocate_all(sizes)
+            if blocks is not None:
+                return blocks
+
+    def _evict_oldest(self) -> None:
+        _, victim = self._evictable.popitem(last=False)
+        self._evictions += 1
+        self._evictable_bytes -= victim.extent
+        victim.evictable = False
+        if victim.on_evict is not None:
+            victim.on_evict(victim)
+        self._free(victim)
+
     def _take(self, nbytes: int, extent: int) -> Block | None:
         for i, length in enumerate(self._free_lengths):
             if length >= extent:
@@ -301,7 +360,7 @@ class HostArena:
                 return Block(self, offset, nbytes, extent)
         return None
 
-    def _free(self, block: Block) -> None:
+    def _free(self, block: Block, *, notify: bool = True) -> None:
         block.freed = True
         i = bisect.bisect_left(self._free_offsets, block.offset)
         start, length = block.offset, block.extent
@@ -316,7 +375,8 @@ class HostArena:
         else:
             self._free_offsets.insert(i, start)
             self._free_lengths.insert(i, length)
-        self._notify()
+        if notify:
+            self._notify()
 
     def _notify(self) -> None:
         waiters, self._waiters = self._waiters, []

@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import fnmatch
 import os
+import re
 import sys
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import crc32c
 import torch
@@ -44,9 +46,12 @@ __all__ = [
     "CaptureJob",
     "ChecksumPool",
     "CpuCapture",
+    "EagerPolicy",
+    "VerifyingCapture",
     "block_checksum",
     "check_versions",
     "default_checksum_threads",
+    "optimizer_pointers",
     "source_view",
 ]
 
@@ -180,3 +185,220 @@ class CpuCapture:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+# -- eager copies at snapshot() ----------------------------------------------------------------
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _pointer(t: Any) -> int | None:
+    """The data pointer of a tensor, or of a DTensor's local chunk (None if it has none)."""
+    if type(t) in _PLAIN:  # the usual case, without the slower lookups below
+        return int(t.data_ptr())
+    local = getattr(t, "_local_tensor", None)  # a DTensor: its chunk is what a ref holds
+    if isinstance(local, torch.Tensor):
+        t = local
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return int(t.data_ptr())
+    except RuntimeError:  # a tensor without storage (meta, some wrappers)
+        return None
+
+
+def optimizer_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
+    """The data pointers of every tensor the optimizers own: their parameters and their
+    state (momentum, moments, step counters). Only ``optimizer.step()`` changes these, and a
+    guard holds every step until the capture is done, so they can be captured lazily."""
+    found: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptr = _pointer(p)
+                if ptr:
+                    found.add(ptr)
+        for per_param in opt.state.values():
+            if not isinstance(per_param, dict):
+                continue
+            for v in per_param.values():
+                # LBFGS keeps lists of tensors (its history) in its state
+                for item in v if isinstance(v, list | tuple) else (v,):
+                    ptr = _pointer(item)
+                    if ptr:
+                        found.add(ptr)
+    return found
+
+
+def _compile(patterns: Sequence[str], what: str) -> re.Pattern[str] | None:
+    if (
+        isinstance(patterns, str)
+        or not isinstance(patterns, Sequence)
+        or not all(isinstance(p, str) for p in patterns)
+    ):
+        raise ConfigurationError(
+            f"{what} must be a list or tuple of key patterns such as 'model/ema.*', "
+            f"got {patterns!r}"
+        )
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
+
+
+@dataclass(frozen=True)
+class EagerPolicy:
+    """Which tensors ``snapshot()`` copies at once instead of leaving them to the capture.
+
+    A tensor is copied at ``snapshot()`` (*eager*) when its key matches ``eager``, or when
+    it is not owned by a guarded optimizer, is at most ``eager_bytes`` and its key does not
+    match ``lazy``. Every other tensor is captured lazily. Patterns are shell-style
+    (``fnmatch``) over the tensor's key (``"model/bn1.running_mean"``).
+    """
+
+    eager_bytes: int = 1 << 20
+    eager: Sequence[str] = ()
+    lazy: Sequence[str] = ()
+    _eager_re: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
+    _lazy_re: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if type(self.eager_bytes) is not int or self.eager_bytes < 0:
+            raise ConfigurationError(
+                f"eager_bytes must be a non-negative int (bytes), got {self.eager_bytes!r}"
+            )
+        object.__setattr__(self, "_eager_re", _compile(self.eager, "eager"))
+        object.__setattr__(self, "_lazy_re", _compile(self.lazy, "lazy"))
+        object.__setattr__(self, "eager", tuple(self.eager))
+        object.__setattr__(self, "lazy", tuple(self.lazy))
+
+    def choose(self, refs: Sequence[TensorRef], owned: set[int]) -> list[int]:
+        """Indexes of the refs to copy now (aliases follow the tensor they alias)."""
+        chosen: list[int] = []
+        eager_re, lazy_re, limit = self._eager_re, self._lazy_re, self.eager_bytes
+        picked = [False] * len(refs)
+        for i, ref in enumerate(refs):
+            if ref.alias_of is not None:
+                pick = picked[ref.alias_of]
+            elif eager_re is not None and eager_re.match(ref.key):
+                pick = True
+            elif lazy_re is not None and lazy_re.match(ref.key):
+                pick = False
+            else:
+                t = ref.tensor
+                pick = (
+                    t.numel() * t.element_size() <= limit and t.data_ptr() not in owned
+                )
+            if pick:
+                picked[i] = True
+                chosen.append(i)
+        return chosen
+
+
+def copy_eager(refs: Sequence[TensorRef], chosen: Sequence[int]) -> int:
+    """Replace the chosen refs' tensors by copies taken now; return the bytes copied.
+
+    On a GPU the copy is a device-side clone on the current stream: it is ordered after
+    whatever wrote the tensor and before whatever changes it next, so it needs no wait. The
+    copy has no other reference, so its capture can be as lazy as any other tensor's.
+    """
+    copied = 0
+    for i in chosen:
+        ref = refs[i]
+        if ref.alias_of is not None:
+            ref.tensor = refs[ref.alias_of].tensor
+        else:
+            ref.tensor = ref.tensor.detach().clone()
+            copied += ref.tensor.numel() * ref.tensor.element_size()
+        try:
+            ref.version = ref.tensor._version
+        except (RuntimeError, AttributeError):  # a copy made in inference mode has none
+            ref.version = None
+    return copied
+
+
+# -- verifying sources after their capture -------------------------------------------------
+
+
+def _crc_of(t: torch.Tensor) -> int:
+    """crc32c of a tensor's elements in row-major order (copied to the host if needed)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if flat.numel() == 0:
+        return 0
+    return int(crc32c.crc32c(flat.view(torch.uint8).numpy().data))
+
+
+@dataclass
+class _Pending:
+    total: int
+    done: int = 0
+    failed: bool = False
+    # (shard's segment, crc of the captured bytes) for every segment captured so far
+    seen: list[tuple[CaptureJob, int, int]] = field(default_factory=list)
+
+
+class VerifyingCapture:
+    """Wraps a capture backend and checks, once the last shard of a snapshot is captured,
+    that every source tensor still holds the bytes that were captured from it.
+
+    A write that does not bump the version counter (through ``.data``, a numpy view, a
+    custom kernel) is invisible to the version check. Re-reading each source after the whole
+    snapshot is captured catches such a write that landed after part of the snapshot was
+    copied: the torn case, where the snapshot would mix bytes from before and after it. A
+    write that landed before the copy of everything it touched is read as the new value
+    (consistent, but later than ``snapshot()``) and cannot be told from the original.
+    Costs one more read and checksum of every captured byte, on the guard's path.
+    """
+
+    def __init__(self, inner: CaptureBackend, threads: int = 1) -> None:
+        self.inner = inner
+        self._pending: dict[int, _Pending] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="lazyckpt-verify"
+        )
+
+    async def capture(self, job: CaptureJob) -> None:
+        step = job.manifest.step
+        pending = self._pending.get(step)
+        if pending is None:
+            pending = self._pending[step] = _Pending(len(job.manifest.shards))
+        loop = asyncio.get_running_loop()
+        try:
+            await self.inner.capture(job)
+            crcs = await loop.run_in_executor(self._pool, _segment_crcs, job)
+            pending.seen.extend((job, k, crc) for k, crc in enumerate(crcs))
+        except BaseException:
+            pending.failed = True
+            raise
+        finally:
+            pending.done += 1
+            last = pending.done == pending.total
+            if last:
+                del self._pending[step]
+        if last and not pending.failed:
+            found = await loop.run_in_executor(self._pool, _first_changed, pending.seen)
+            if found is not None:
+                raise ImmutabilityViolationError.changed_bytes(found, step)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.inner.close()
+
+
+def _segment_crcs(job: CaptureJob) -> list[int]:
+    view = job.block.memoryview()
+    out = []
+    for seg in job.shard.segments:
+        nbytes = job.manifest.segment_nbytes(seg)
+        out.append(int(crc32c.crc32c(view[seg.offset : seg.offset + nbytes])))
+    return out
+
+
+def _first_changed(seen: Sequence[tuple[CaptureJob, int, int]]) -> str | None:
+    for job, k, crc in seen:
+        seg = job.shard.segments[k]
+        if _crc_of(source_view(job, seg.tensor, seg.start, seg.stop)) != crc:
+            return job.refs[seg.tensor].key
+    return None

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
+import logging
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from ._capture import EagerPolicy, VerifyingCapture, copy_eager, optimizer_pointers
 from ._cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
 from ._dtensor import (
     SupportsRankManifests,
@@ -37,12 +42,14 @@ from ._tree import TensorRef, walk_state
 __all__ = [
     "Checkpointer",
     "SnapshotHandle",
+    "SnapshotInFlightError",
     "SnapshotSkippedError",
     "SnapshotSkippedWarning",
     "SyncCheckpointer",
 ]
 
 T = TypeVar("T")
+log = logging.getLogger("lazyckpt")
 
 
 class SnapshotSkippedWarning(UserWarning):
@@ -51,6 +58,11 @@ class SnapshotSkippedWarning(UserWarning):
 
 class SnapshotSkippedError(LazyCkptError):
     """Raised by the awaitables of a skipped snapshot's handle: it was never taken."""
+
+
+class SnapshotInFlightError(LazyCkptError):
+    """``delete(step)`` was asked for a step that is still on its way through the tiers
+    (or being restored). Await its handle's ``committed()`` (or the restore) first."""
 
 
 class SnapshotHandle:
@@ -162,7 +174,23 @@ class _Core:
         staging_bytes: int,
         use_uvloop: bool | None,
         distributed: bool | None,
+        on_failure: Literal["warn", "raise"],
+        eager_bytes: int,
+        eager: Sequence[str],
+        lazy: Sequence[str],
+        verify_sources: bool,
+        exit_timeout: float,
     ) -> None:
+        if on_failure not in ("warn", "raise"):
+            raise ConfigurationError(f"on_failure must be 'warn' or 'raise', got {on_failure!r}")
+        if type(verify_sources) is not bool:
+            raise ConfigurationError(f"verify_sources must be True or False, got {verify_sources!r}")
+        if not exit_timeout >= 0:
+            raise ConfigurationError(f"exit_timeout must be seconds >= 0, got {exit_timeout!r}")
+        self.policy = EagerPolicy(eager_bytes, eager, lazy)
+        self.on_failure = on_failure
+        self.verify_sources = verify_sources
+        self.exit_timeout = exit_timeout
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence):
             raise ConfigurationError("tiers must be a list of Tier objects, fastest first")
         if shard_size is None:
@@ -188,12 +216,24 @@ class _Core:
             distributed=distributed,
         )
         self.engine = Engine(tiers, options)
+        if verify_sources:
+            self.engine.capture = VerifyingCapture(self.engine.capture, capture_threads)
         self.options = options
         self._last_step: int | None = None
         self._closing = False
         self._open_lock = threading.Lock()
-        self._guards: list[Any] = []
+        self._guards: list[tuple[torch.optim.Optimizer, Any]] = []
         self._plan_cache: tuple[tuple[Any, ...], Manifest] | None = None
+        self._at_exit: Callable[[], None] | None = None
+        self._owned_cache: tuple[tuple[Any, ...], set[int]] | None = None
+
+    @property
+    def cuda(self) -> CudaCapture | None:
+        """The engine's CUDA capture backend, if it has one (under a VerifyingCapture too)."""
+        capture = self.engine.capture
+        if isinstance(capture, VerifyingCapture):
+            capture = capture.inner
+        return capture if isinstance(capture, CudaCapture) else None
 
     def check_open(self) -> None:
         if self._closing or self.engine.closed:
@@ -206,6 +246,7 @@ class _Core:
 
     async def open_on_engine(self) -> None:
         await self.engine.open()
+        self._register_exit()
         listing = await asyncio.gather(*(t.steps() for t in self.engine.tiers))
         committed = [s for steps in listing for s in steps]
         if self.engine.coordinator is not None:  # every rank must refuse the same steps
@@ -213,7 +254,10 @@ class _Core:
             committed = [s for part in everyone for s in part]
         self._last_step = max(committed) if committed else None
 
-    def snapshot(self, state: Any, step: int) -> SnapshotHandle:
+    def prepare(self, state: Any, step: int, stacklevel: int = 3) -> Flight | SnapshotHandle:
+        """The synchronous half of ``snapshot()``: walk, copy the eager tensors, plan. Returns
+        the flight to submit, or the handle of a skipped snapshot (whose warning points
+        ``stacklevel`` frames up: at the caller of the public ``snapshot()``)."""
         t0 = time.perf_counter()
         self.check_open()
         if type(step) is not int or step < 0:
@@ -222,10 +266,15 @@ class _Core:
             raise ConfigurationError(
                 f"step {step} is not newer than the newest snapshot ({self._last_step}); "
                 "steps must increase. After a rollback, start a new directory or delete "
-                "the newer snapshots first."
+                "the newer snapshots first (ckpt.delete(step))."
             )
-        self.engine.raise_unreported()
+        self.report_failures()
         tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
+        # before anything can change them: copy what a forward pass may change (see
+        # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below
+        chosen = self.policy.choose(refs, self.owned_pointers())
+        if chosen:
+            copy_eager(refs, chosen)
         if any(r.dist is not None for r in refs):
             dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
             assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
@@ -236,16 +285,71 @@ class _Core:
                 f"snapshot of step {step} skipped: the pipeline is still busy with earlier "
                 f"snapshots ({self.engine.skipped} skipped so far)",
                 SnapshotSkippedWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
             return SnapshotHandle(self.engine, None, step)
         flight = Flight(manifest, refs, self.engine.stage_names)
         self._last_step = step
-        if isinstance(self.engine.capture, CudaCapture):
-            self.engine.capture.mark_snapshot(step)  # the point on the stream it must see
+        if self.cuda is not None:
+            self.cuda.mark_snapshot(step)  # the point on the stream it must see
         flight.stats.snapshot_s = time.perf_counter() - t0
+        return flight
+
+    def submit(self, flight: Flight) -> SnapshotHandle:
+        self.check_open()
         self.engine.submit(flight)
-        return SnapshotHandle(self.engine, flight, step)
+        return SnapshotHandle(self.engine, flight, flight.step)
+
+    def withdraw(self, flight: Flight, previous: int | None) -> None:
+        """A prepared snapshot that will not be submitted (its ``snapshot()`` was cancelled)."""
+        if self._last_step == flight.step:
+            self._last_step = previous
+
+    def snapshot(self, state: Any, step: int) -> SnapshotHandle:
+        prepared = self.prepare(state, step, stacklevel=4)
+        if isinstance(prepared, SnapshotHandle):
+            return prepared
+        return self.submit(prepared)
+
+    async def wait_for_room(self, flight: Flight) -> None:
+        """Backpressure for ``await snapshot()``, on the caller's loop: wait (yielding) until
+        the earlier captures are done and the arena has room for this snapshot, or nothing
+        is left in flight that could make room. The engine would otherwise wait on its own
+        thread, and the guard would then block the caller's thread (and loop) in the next
+        optimizer step."""
+        engine = self.engine
+        await _captures_done(engine.pending_captures())
+        delay = 0.0005
+        while engine.flights and engine.busy_for(flight.manifest):
+            await asyncio.sleep(delay)
+            delay = min(0.01, delay * 2)
+
+    def report_failures(self) -> None:
+        """Apply the failure policy to the failures nobody has seen yet: raise them
+        (``on_failure="raise"``), or drop them, since each was logged as it happened and is
+        counted in ``metrics()["snapshots_failed"]`` (``"warn"``)."""
+        if self.on_failure == "raise":
+            self.engine.raise_unreported()
+        else:
+            self.engine.take_unreported()
+
+    def owned_pointers(self) -> set[int]:
+        """Data pointers of the tensors the guarded optimizers own (see EagerPolicy).
+
+        Listing them costs about as much per tensor as the walk itself, so the set is kept
+        while the optimizers' shape stays the same: the same ``state`` and ``param_groups``
+        objects (``load_state_dict`` replaces both), the same number of parameters, of
+        parameters with state and of state entries (an optimizer creates its state at its
+        first step). An optimizer that swaps a state tensor for a new one without any of
+        these changing leaves the new one out: it is then treated as not owned, which is
+        safe (copied at ``snapshot()`` if small, version-checked if large)."""
+        live = [opt for opt, handle in self._guards if _installed(opt, handle)]
+        if not live:
+            return set()
+        shape = tuple(_optimizer_shape(opt) for opt in live)
+        if self._owned_cache is None or self._owned_cache[0] != shape:
+            self._owned_cache = (shape, optimizer_pointers(live))
+        return self._owned_cache[1]
 
     def _plan(self, step: int, tree: Any, refs: list[TensorRef]) -> Manifest:
         """The layout for this snapshot; reused from the previous one when every tensor has
@@ -275,8 +379,9 @@ class _Core:
         self._plan_cache = (signature, manifest)
         return manifest
 
-    def wait_captured_blocking(self) -> float:
-        """Block until every pending capture is done; return the seconds waited."""
+    def wait_captured_blocking(self, *, report: bool = True) -> float:
+        """Block until every pending capture is done; return the seconds waited. With
+        ``report``, then apply the failure policy."""
         t0 = time.perf_counter()
         pending = self.engine.pending_captures()
         if pending:
@@ -284,31 +389,53 @@ class _Core:
         waited = time.perf_counter() - t0
         for f in pending:
             f.stats.guard_s += waited
-        self.engine.raise_unreported()
+        if report:
+            self.report_failures()
         return waited
 
-    def guard(self, optimizer: torch.optim.Optimizer, mode: GuardMode = "cpu") -> Any:
+    def guard(
+        self, optimizer: Any, mode: GuardMode = "cpu", closure: bool | None = None
+    ) -> Any:
         self.check_open()
-        if not hasattr(optimizer, "register_step_pre_hook"):
+        opt = unwrap_optimizer(optimizer)
+        if closure not in (None, True, False):
+            raise ConfigurationError(f"closure must be None, True or False, got {closure!r}")
+        resolved = resolve_guard_mode(mode, self.cuda)
+        if resolved == "stream" and self.verify_sources:
             raise ConfigurationError(
-                f"guard() takes a torch optimizer, got {type(optimizer).__qualname__}"
+                'verify_sources=True needs guard(mode="cpu"): with the stream guard the '
+                "optimizer may legitimately change a source before its copy is seen "
+                "complete, which the check would report as a violation"
+            )
+        fence: Callable[[Any, Any, Any], None] | None = None
+        if resolved == "stream" and self.cuda is not None:
+            fence = stream_guard_hook(
+                self.cuda, self.engine.pending_captures, closing=lambda: self._closing
             )
 
-        def blocking(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            if not self._closing:
-                self.wait_captured_blocking()
+        def wait() -> None:
+            # never raises into the optimizer step: a failed snapshot must not cost a
+            # training step; failures go to the handle, the log, metrics and the policy
+            if self._closing:
+                return
+            try:
+                if fence is not None:
+                    fence(None, (), {})
+                else:
+                    self.wait_captured_blocking(report=False)
+            except Exception:
+                log.exception("lazyckpt's guard failed to wait for the pending captures")
 
-        hook: Callable[[Any, Any, Any], None] = blocking
-        capture = self.engine.capture
-        if resolve_guard_mode(mode, capture) == "stream" and isinstance(capture, CudaCapture):
-            hook = stream_guard_hook(
-                capture,
-                self.engine.pending_captures,
-                raise_unreported=self.engine.raise_unreported,
-                closing=lambda: self._closing,
-            )
-        handle = optimizer.register_step_pre_hook(hook)
-        self._guards.append(handle)
+        def hook(_opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if closure is not False:
+                wrapped = _wrap_closure(args, kwargs, wait)
+                if wrapped is not None:
+                    return wrapped
+            wait()
+            return None
+
+        handle = opt.register_step_pre_hook(hook)
+        self._guards.append((opt, handle))
         return handle
 
     async def restore_on_engine(
@@ -363,15 +490,139 @@ class _Core:
         everyone = await self.engine.coordinator.gather(0, mine)
         return sorted(set.intersection(*(set(part) for part in everyone)))
 
+    async def delete_on_engine(self, step: int) -> None:
+        """Delete a committed ``step`` on every tier (engine loop); see
+        :meth:`Checkpointer.delete`."""
+        if type(step) is not int or step < 0:
+            raise ConfigurationError(f"step must be a non-negative int, got {step!r}")
+        engine = self.engine
+        busy = ""
+        flight = engine.flights.get(step)
+        # a flight whose last stage resolved is only tidying up: it is no longer in flight
+        if flight is not None and not flight.reached[engine.stage_names[-1]].done():
+            busy = "still in flight; await its handle's committed() first"
+        elif step in engine.protected:
+            busy = "being restored; delete it once the restore returned"
+        listing = await asyncio.gather(*(t.steps() for t in engine.tiers), return_exceptions=True)
+        held = [
+            t.name for t, steps in zip(engine.tiers, listing, strict=True)
+            if not isinstance(steps, BaseException) and step in steps
+        ]
+        if engine.coordinator is not None:
+            # every rank decides the same: the same step, nobody busy, somebody holds it
+            everyone = await engine.coordinator.gather(0, (step, busy, bool(held)))
+            if len({s for s, _, _ in everyone}) != 1:
+                raise ConfigurationError(
+                    f"ranks asked to delete different steps ({sorted({s for s, _, _ in everyone})}); "
+                    "every rank must call delete() with the same step, together"
+                )
+            busy = busy or next((b for _, b, _ in everyone if b), "")
+            found = any(h for _, _, h in everyone)
+        else:
+            found = bool(held)
+        if busy:
+            raise SnapshotInFlightError(f"step {step} cannot be deleted: it is {busy}")
+        if not found:
+            raise SnapshotNotFoundError(
+                f"step {step} is not committed on any tier "
+                f"({', '.join(t.name for t in engine.tiers)}); nothing to delete"
+            )
+        errors: list[Exception] = []
+        for stage, tier in enumerate(engine.tiers if engine.host else [None, *engine.tiers]):
+            if tier is None:
+                continue
+            try:
+                await engine.delete_on_tier(tier, stage, step)
+            except Exception as exc:
+                errors.append(exc)
+        if engine.coordinator is not None:
+            # nobody returns before every rank (rank 0 with the shared records) is through
+            oks = await engine.coordinator.gather(0, not errors)
+            failed = [r for r, ok in enumerate(oks) if not ok]
+            if failed and not errors:
+                errors.append(
+                    LazyCkptError(f"rank(s) {failed} could not delete step {step}; see their logs")
+                )
+        if step == self._last_step:  # deleting the newest step lets a rollback reuse it
+            listing = await asyncio.gather(
+                *(t.steps() for t in engine.tiers), return_exceptions=True
+            )
+            remaining = [s for got in listing if not isinstance(got, BaseException) for s in got]
+            self._last_step = max([*remaining, *engine.flights], default=None)
+        for other in errors[1:]:
+            log.warning("deleting step %d: %s", step, other, extra={"step": step})
+        if errors:
+            raise errors[0]
+
     async def close_on_engine(self) -> None:
         await self.engine.close()
 
+    def _register_exit(self) -> None:
+        """Close at interpreter exit a Checkpointer its owner never closed (the trainer
+        raised before ``aclose()``): drain for up to ``exit_timeout`` seconds, then abandon
+        what is left, with one warning instead of the event loop's complaints."""
+        me = weakref.ref(self)
+
+        def at_exit() -> None:
+            core = me()
+            if core is not None:
+                core.close_at_exit()
+
+        self._at_exit = at_exit
+        # run at the start of interpreter shutdown, before concurrent.futures refuses new
+        # work to its thread pools (which the drain needs): threading's exit hooks run
+        # newest first, and concurrent.futures registered its own when it was imported
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:  # pragma: no cover - every supported Python has it
+            atexit.register(at_exit)
+            return
+        with contextlib.suppress(RuntimeError):  # already shutting down: nothing to add
+            register(at_exit)
+
+    def close_at_exit(self) -> None:
+        if self._closing or self.engine.closed:
+            return
+        self._closing = True
+        drained = False
+        # at exit there is nobody left to raise to: a tier that fails to close is ignored
+        with contextlib.suppress(Exception):
+            self.engine.loop.submit(self.close_on_engine()).result(self.exit_timeout)
+            drained = True
+        lost = [] if drained else sorted(self.engine.flights)
+        self.engine.loop.stop()
+        errors = self.engine.take_unreported()
+        if lost:
+            log.warning(
+                "a lazyckpt Checkpointer was not closed before exit; snapshots of steps %s "
+                "were abandoned (close it with 'async with', 'with' or aclose()/close())",
+                lost,
+            )
+        elif errors:
+            log.warning(
+                "a lazyckpt Checkpointer was not closed before exit; %d snapshot(s) failed "
+                "unseen: %s",
+                len(errors),
+                "; ".join(str(e) for e in errors[:3]),
+            )
+        else:
+            warnings.warn(
+                "a lazyckpt Checkpointer was not closed; it was closed at exit (every "
+                "snapshot drained)",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
     def finish_close(self) -> None:
-        for handle in self._guards:
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)  # threading's hook is a no-op once closed
+            self._at_exit = None
+        for _opt, handle in self._guards:
             handle.remove()
         self._guards.clear()
         self.engine.loop.stop()
         errors = self.engine.take_unreported()
+        if errors and self.on_failure == "warn":
+            return  # each was logged when it happened; the handles raise them
         if errors:
             if len(errors) == 1:
                 raise errors[0]
@@ -393,6 +644,91 @@ def _tags(tree: Any) -> set[str]:
     return found
 
 
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # a failure is the handle's and the policy's to report
+
+
+async def _captures_done(flights: Sequence[Flight]) -> None:
+    """Wait, on the caller's loop, until these captures are done, failed or not. Cancelling
+    the wait leaves the captures alone (``asyncio.wait`` cancels nothing, and nothing here
+    cancels the engine's futures)."""
+    if not flights:
+        return
+    waits = [asyncio.wrap_future(f.captured) for f in flights]
+    for w in waits:
+        w.add_done_callback(_retrieve)
+    await asyncio.wait(waits)
+
+
+def _optimizer_shape(opt: torch.optim.Optimizer) -> tuple[int, ...]:
+    state = opt.state
+    return (
+        id(opt),
+        id(state),
+        id(opt.param_groups),
+        sum(len(g["params"]) for g in opt.param_groups),
+        len(state),
+        sum(len(v) for v in state.values()),
+    )
+
+
+def _installed(opt: torch.optim.Optimizer, handle: Any) -> bool:
+    """Is the guard's hook still on ``opt`` (the user may have removed it)?"""
+    return handle.id in getattr(opt, "_optimizer_step_pre_hooks", {})
+
+
+def unwrap_optimizer(obj: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind ``obj``: itself, or at the end of its ``.optimizer``
+    chain (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``,
+    DeepSpeed's and similar wrappers, which all call the inner optimizer's ``step()``)."""
+    found = obj
+    for _ in range(16):
+        inner = getattr(found, "optimizer", None)
+        if inner is None or inner is found:
+            break
+        found = inner
+    if isinstance(found, torch.optim.Optimizer) and hasattr(found, "register_step_pre_hook"):
+        return found
+    what = type(obj).__qualname__
+    hint = (
+        " For a GradScaler, pass the optimizer you give to scaler.step(optimizer)."
+        if "Scaler" in what
+        else ""
+    )
+    raise ConfigurationError(
+        f"guard() needs the torch.optim.Optimizer whose step() updates the state, or a "
+        f"wrapper with an .optimizer attribute leading to one (accelerate's "
+        f"AcceleratedOptimizer, Lightning's LightningOptimizer); got {what}.{hint}"
+    )
+
+
+def _wrap_closure(
+    args: tuple[Any, ...], kwargs: dict[str, Any], wait: Callable[[], None]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """With a closure (LBFGS; Lightning runs forward and backward in one), the step pre-hook
+    fires before the forward pass: waiting there would end the lazy window before it began.
+    The closure is wrapped instead, so the wait happens after it returns, before the
+    optimizer changes anything (every torch optimizer calls its closure first)."""
+    # the hook sees step()'s arguments with the optimizer itself first
+    first = 1 if args and isinstance(args[0], torch.optim.Optimizer) else 0
+    if len(args) > first and callable(args[first]):
+        fn, where = args[first], "args"
+    elif callable(kwargs.get("closure")):
+        fn, where = kwargs["closure"], "kwargs"
+    else:
+        return None
+
+    def closure() -> Any:
+        loss = fn()
+        wait()
+        return loss
+
+    if where == "args":
+        return (*args[:first], closure, *args[first + 1 :]), kwargs
+    return args, {**kwargs, "closure": closure}
+
+
 _DEFAULTS: dict[str, Any] = {
     "shard_size": None,
     "pack_bytes": None,
@@ -407,6 +743,12 @@ _DEFAULTS: dict[str, Any] = {
     "staging_bytes": 256 << 20,
     "use_uvloop": None,
     "distributed": None,
+    "on_failure": "warn",
+    "eager_bytes": 1 << 20,
+    "eager": (),
+    "lazy": (),
+    "verify_sources": False,
+    "exit_timeout": 10.0,
 }
 
 
@@ -453,6 +795,29 @@ class Checkpointer:
             :class:`SnapshotSkippedWarning`.
         staging_bytes: size of the private arena when the chain has no host tier.
         use_uvloop: run the engine loop on uvloop (``None``: if installed).
+        on_failure: what a failed snapshot does to training. ``"warn"`` (default): training
+            goes on; one warning is logged per failed snapshot and
+            ``metrics()["snapshots_failed"]`` counts it. ``"raise"``: in addition, the next
+            ``snapshot()`` (or ``wait_captured()``, or closing) raises the failure nobody has
+            seen yet. Either way the handle's awaitables raise it, no tier it failed on
+            lists it, and the guard never raises into the optimizer step.
+        eager_bytes: tensors up to this size (bytes, default 1 MiB) that no guarded
+            optimizer owns are copied at ``snapshot()`` instead of lazily: module buffers
+            that the forward pass updates (BatchNorm statistics), small frozen tensors, RNG
+            states. See ``docs/design.md`` ("Which tensors are captured lazily").
+        eager: key patterns (``fnmatch``, e.g. ``"model/ema.*"``) of tensors always copied
+            at ``snapshot()``, whatever their size: large tensors changed outside the
+            optimizer step.
+        lazy: key patterns of tensors never copied at ``snapshot()`` (only ``eager`` wins
+            over it): small tensors you know nothing changes before the guard.
+        verify_sources: after the last shard of a snapshot is captured, checksum every
+            source tensor again and fail the snapshot with ImmutabilityViolationError if
+            one changed without its version counter moving (a write through ``.data`` or
+            a numpy view). Costs one more read of every captured byte before the guard
+            lets go; needs ``guard(mode="cpu")``. See ``docs/guarantees.md``.
+        exit_timeout: a Checkpointer never closed (the trainer raised) is closed at
+            interpreter exit: its pending snapshots get this many seconds to drain
+            (default 10), then are abandoned with one warning.
         distributed: coordinate commits with the other ranks over torch.distributed
             (``None``: when it is initialized with more than one rank). Then every rank
             must open the Checkpointer, snapshot the same steps in the same order, and
@@ -484,29 +849,58 @@ class Checkpointer:
         await self.aclose()
 
     async def snapshot(self, state: Any, *, step: int) -> SnapshotHandle:
-        """Record a snapshot of ``state`` at ``step`` and return without copying tensor bytes.
+        """Record a snapshot of ``state`` at ``step`` and return without copying the bytes
+        of the lazily captured tensors.
 
         ``state`` is a mapping of tensors, Stateful objects (``model``, ``optimizer``) and
-        plain values. Costs O(number of tensors). Raises the failure of an earlier snapshot
-        that nobody has seen yet. Cancelling it before it returns takes no snapshot.
+        plain values. Costs O(number of tensors), plus a copy of each small tensor that no
+        guarded optimizer owns (see ``eager_bytes``). With ``on_failure="raise"``, raises
+        the failure of an earlier snapshot that nobody has seen yet. It yields to the event
+        loop, and under backpressure (``when_busy="wait"``) it waits here, cooperatively,
+        until the earlier captures are done and the host arena has room. Cancelling it
+        before it returns takes no snapshot.
         """
-        return self._core.snapshot(state, step)
+        previous = self._core._last_step
+        prepared = self._core.prepare(state, step)
+        if isinstance(prepared, SnapshotHandle):
+            await asyncio.sleep(0)
+            return prepared
+        try:
+            await self._core.wait_for_room(prepared)
+            await asyncio.sleep(0)  # let the caller's other tasks run at least once
+        except BaseException:
+            self._core.withdraw(prepared, previous)
+            raise
+        return self._core.submit(prepared)
 
     async def wait_captured(self) -> None:
-        """Wait until every pending capture is done (then the tensors may change)."""
+        """Wait until every pending capture is done (then the tensors may change). With
+        ``on_failure="raise"``, raises a failure nobody has seen yet."""
         self._core.check_open()
-        await asyncio.to_thread(self._core.wait_captured_blocking)
+        await _captures_done(self._core.engine.pending_captures())
+        self._core.report_failures()
 
-    def guard(self, optimizer: torch.optim.Optimizer, mode: GuardMode = "cpu") -> Any:
+    def guard(self, optimizer: Any, mode: GuardMode = "cpu", *, closure: bool | None = None) -> Any:
         """Make ``optimizer.step()`` wait for pending captures first (a step pre-hook).
 
-        Returns the hook's handle (``.remove()`` undoes it). With ``mode="cpu"`` the calling
-        thread blocks only while a capture is still running. With ``mode="stream"`` (CUDA)
-        the CPU never blocks: the optimizer's stream waits on the capture copies' events,
-        so the GPU waits only if a copy is still running (see ``docs/gpu.md``); without
-        CUDA it falls back to ``"cpu"``.
+        Returns the hook's handle (``.remove()`` undoes it). The guard only waits: it never
+        raises into the step, so a failed snapshot never costs a training step (failures
+        go to the handle, the log, ``metrics()`` and ``on_failure``).
+
+        Args:
+            optimizer: a ``torch.optim.Optimizer``, or a wrapper whose ``.optimizer`` chain
+                leads to one (accelerate's ``AcceleratedOptimizer``, Lightning's
+                ``LightningOptimizer``); anything else raises ConfigurationError.
+            mode: ``"cpu"``: the calling thread blocks only while a capture is still
+                running. ``"stream"`` (CUDA): the CPU never blocks; the optimizer's stream
+                waits on the capture copies' events (``docs/gpu.md``); without CUDA it falls
+                back to ``"cpu"``.
+            closure: where a step given a closure (LBFGS; Lightning's automatic
+                optimization runs forward and backward inside it) waits. ``None``/``True``:
+                after the closure returns, before the update, so the forward and backward
+                passes inside it overlap the capture. ``False``: before the closure runs.
         """
-        return self._core.guard(optimizer, mode)
+        return self._core.guard(optimizer, mode, closure)
 
     async def restore(
         self,
@@ -535,6 +929,21 @@ class Checkpointer:
         self._core.check_open()
         return await self._call(self._core.steps_on_engine())
 
+    async def delete(self, step: int) -> None:
+        """Delete the committed snapshot of ``step`` on every tier (the host tier included).
+
+        Raises :class:`SnapshotInFlightError` while the step is still on its way through the
+        tiers or being restored (await its handle first), :class:`SnapshotNotFoundError`
+        when no tier holds it, and a tier's error when a tier could not delete it (the other
+        tiers still did). Retention passes on a tier wait for it, and it for them. Deleting
+        the newest step lets the next ``snapshot()`` use that step number again (a
+        rollback). With several ranks, every rank calls it together with the same step;
+        each tier deletes what its layout gives that rank to delete (the shared commit
+        record on rank 0). Cancelling it may leave the step deleted on some tiers only.
+        """
+        self._core.check_open()
+        await self._call(self._core.delete_on_engine(step))
+
     async def verify(self, step: int | None = None) -> VerifyReport:
         """Read every shard of ``step`` (default: the latest) on every tier that has it and
         check its checksum; report the damage per tier. Changes nothing."""
@@ -546,8 +955,9 @@ class Checkpointer:
         return self._core.engine.metrics()
 
     async def aclose(self) -> None:
-        """Drain every snapshot, close the tiers, stop the engine. Raises any failure that
-        was not yet reported. Idempotent. If cancelled, the drain goes on in the engine."""
+        """Drain every snapshot, close the tiers, stop the engine. With
+        ``on_failure="raise"``, raises any failure that was not yet reported. Idempotent. If
+        cancelled, the drain goes on in the engine."""
         if self._core._closing:
             return
         self._core._closing = True
@@ -563,7 +973,7 @@ class SyncCheckpointer:
 
     Same arguments and operations: ``with SyncCheckpointer(tiers=[...]) as ckpt:``,
     ``ckpt.snapshot(state, step=N)``, ``ckpt.wait_captured()``, ``ckpt.guard(opt)``,
-    ``ckpt.restore(...)``, ``ckpt.steps()``, ``ckpt.close()``.
+    ``ckpt.restore(...)``, ``ckpt.steps()``, ``ckpt.delete(step)``, ``ckpt.close()``.
     """
 
     def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
@@ -591,7 +1001,8 @@ class SyncCheckpointer:
         self.close()
 
     def snapshot(self, state: Any, *, step: int) -> SnapshotHandle:
-        """See :meth:`Checkpointer.snapshot`; use ``handle.wait(stage)`` to block on it."""
+        """See :meth:`Checkpointer.snapshot`; use ``handle.wait(stage)`` to block on it.
+        Backpressure waits in the guard (or in the engine) instead."""
         return self._core.snapshot(state, step)
 
     def wait_captured(self) -> None:
@@ -599,9 +1010,9 @@ class SyncCheckpointer:
         self._core.check_open()
         self._core.wait_captured_blocking()
 
-    def guard(self, optimizer: torch.optim.Optimizer, mode: GuardMode = "cpu") -> Any:
+    def guard(self, optimizer: Any, mode: GuardMode = "cpu", *, closure: bool | None = None) -> Any:
         """See :meth:`Checkpointer.guard`."""
-        return self._core.guard(optimizer, mode)
+        return self._core.guard(optimizer, mode, closure)
 
     def restore(
         self,
@@ -619,6 +1030,11 @@ class SyncCheckpointer:
         """See :meth:`Checkpointer.steps`."""
         self._core.check_open()
         return self._call(self._core.steps_on_engine)
+
+    def delete(self, step: int) -> None:
+        """See :meth:`Checkpointer.delete`."""
+        self._core.check_open()
+        self._call(lambda: self._core.delete_on_engine(step))
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """See :meth:`Checkpointer.verify`."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -84,7 +85,11 @@ class Coordinator:
             for i in range(stages + 1)
         ]
         self._broken: list[BaseException | None] = [None] * (stages + 1)
+        self._busy = [0] * (stages + 1)  # collectives submitted and not yet returned
         self.collectives = 0
+
+    def _done(self, channel: int) -> None:
+        self._busy[channel] -= 1
 
     def _gather(self, channel: int, value: Any) -> list[Any]:
         import torch.distributed as dist
@@ -111,8 +116,13 @@ class Coordinator:
             ) from broken
         loop = asyncio.get_running_loop()
         self.collectives += 1
+        self._busy[channel] += 1
+        future = loop.run_in_executor(self._threads[channel], fn, channel, *args)
+        # the thread is free once the collective itself returns, not when a cancelled
+        # caller stops waiting for it
+        future.add_done_callback(lambda _f: self._done(channel))
         try:
-            return await loop.run_in_executor(self._threads[channel], fn, channel, *args)
+            return await future
         except RuntimeError as exc:  # gloo: timeouts and dead peers surface as RuntimeError
             self._broken[channel] = exc
             raise DeadlineExceededError(
@@ -148,5 +158,24 @@ class Coordinator:
         await self.gather(0, None)
 
     def close(self) -> None:
+        """Stop the collective threads and destroy lazyckpt's own gloo groups, so that
+        none of their threads is alive when the process exits (gloo aborts the process,
+        "terminate called without an active exception", when one is torn down at exit).
+
+        A channel whose thread may still be inside a collective (one that timed out, or
+        one a cancelled close left waiting for a peer) is left alone: destroying its group
+        under it would be worse, and waiting for it could take the whole timeout; the
+        process group's own shutdown takes it."""
+        import torch.distributed as dist
+
         for pool in self._threads:
             pool.shutdown(wait=False, cancel_futures=True)
+        for channel, (pool, group) in enumerate(zip(self._threads, self._groups, strict=True)):
+            if self._broken[channel] is not None or self._busy[channel]:
+                continue
+            pool.shutdown(wait=True)  # idle after the drain: returns at once
+            if dist.is_available() and dist.is_initialized():
+                # the trainer may have destroyed every group already
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(group)
+        self._groups = []

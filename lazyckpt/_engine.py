@@ -4,17 +4,22 @@ One ``Engine`` belongs to one Checkpointer. Everything here runs on the engine's
 thread (``_loop.EngineLoop``) except the few methods marked *any thread*, which only touch
 thread-safe futures and a lock.
 
-A snapshot in flight is a :class:`Flight`. Its coroutine allocates an arena block for each
-shard in order (waiting when the arena is full: backpressure), and starts one *shard flow*
-per shard: capture into the block, then checksum the block, then put on each durable tier
-in chain order. The snapshot counts as captured (the guard lets the optimizer go on) once
-every shard is copied; the checksums follow on a pool of their own, off that critical path,
-and no tier sees a shard before its checksum is known. Each shard
-state change goes through the state table (``_state``); the flow never decides a rule
-itself. When the last shard reaches a tier, that tier commits the snapshot's manifest.
+A snapshot in flight is a :class:`Flight`. Its coroutine starts each durable tier's
+``begin`` for the step, allocates an arena block for each shard in order (waiting when the
+arena is full: backpressure), and starts one *shard flow* per shard: capture into the
+block, then checksum the block, then put on each durable tier in chain order, each put
+waiting for that tier's ``begin``. Nothing a tier does is in front of a capture, so a slow
+or hung tier holds training up only once the arena is full. The snapshot counts as
+captured (the guard lets the optimizer go on) once every shard is copied; the checksums
+follow on a pool of their own, off that critical path, and no tier sees a shard before its
+checksum is known. Each shard state change goes through the state table (``_state``); the
+flow never decides a rule itself. When the last shard reaches a tier, that tier commits the
+snapshot's manifest. On a host-only chain the host tier is the last one: a snapshot takes
+its arena space whole and counts as committed only if the host tier keeps it.
 
 Every task belongs to the engine's task group; failures are recorded on the flight, raised
-from its handle, and queued to be raised by the next ``snapshot()``/guard/``aclose()``.
+from its handle, logged once, and queued for the failure policy (``on_failure="raise"``:
+the next ``snapshot()``, ``wait_captured()`` or ``aclose()`` raises it; never the guard).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from ._errors import (
     LazyCkptError,
     SnapshotFailedError,
     TierBrokenError,
+    TierFullError,
 )
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
@@ -124,6 +130,12 @@ class Flight:
         self.errors: list[Exception] = []
         self.t_submit = time.perf_counter()
         self.stats = SnapshotStats(step=manifest.step, bytes=manifest.tensor_bytes, shards=n)
+        # per durable tier: its begin(), running beside the capture; True once it succeeded
+        self.begun: list[asyncio.Task[bool]] = []
+        # a host-only chain: the blocks this snapshot keeps, held until it commits or fails,
+        # and whether it is finished (its blocks are given back in step order)
+        self.kept: list[Block] = []
+        self.finished = False
         self.captured: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.reached: dict[str, concurrent.futures.Future[None]] = {
             name: concurrent.futures.Future() for name in tier_names
@@ -162,6 +174,9 @@ class Engine:
             tiers[0] if isinstance(tiers[0], SupportsStaging) else None
         )
         self.durable: list[Tier] = tiers[1:] if self.host is not None else tiers
+        # a host-only chain: the host tier is where snapshots end, so a snapshot counts as
+        # committed only if the arena keeps it whole (see _run_kept)
+        self.host_last = self.host is not None and not self.durable
         for t in self.durable:
             if isinstance(t, SupportsStaging):
                 raise ConfigurationError(
@@ -194,9 +209,12 @@ class Engine:
         self._tier_sems: list[asyncio.Semaphore] = []
         self._retention_locks: list[asyncio.Lock] = []
         self._retention_queued: list[bool] = []
+        self._kept_order: asyncio.Lock | None = None
+        self._kept_queue: list[Flight] = []  # host-only chain: started flights, step order
         self.closed = False
         self.opened = False
         self.skipped = 0
+        self.failed = 0  # snapshots that failed (on any stage), for metrics
         self.rank = 0
         self.world_size = 1
         self.coordinator: Coordinator | None = None
@@ -233,6 +251,7 @@ class Engine:
         # retention: one pass at a time per tier; a pass not yet listing covers new commits
         self._retention_locks = [asyncio.Lock() for _ in self.durable]
         self._retention_queued = [False] * len(self.durable)
+        self._kept_order = asyncio.Lock()
         started = asyncio.Event()
         self._stop = asyncio.Event()
 
@@ -347,6 +366,8 @@ class Engine:
             self._finish_failed(flight, CheckpointerClosedError("the Checkpointer was closed"), 0)
             return
         self.flights[flight.step] = flight
+        if self.host_last:
+            self._kept_queue.append(flight)
         for queue in self._queues[1:]:
             queue.put_nowait(flight)
         self._tg.create_task(self._run_flight(flight), name=f"lazyckpt-step-{flight.step}")
@@ -397,7 +418,8 @@ class Engine:
             flight.failed_from = stage
         if not isinstance(exc, asyncio.CancelledError):
             flight.errors.append(exc)
-        log.warning(
+        # one warning per failed snapshot comes from _finish; the details are info
+        log.info(
             "snapshot of step %d failed on %s: %s",
             flight.step,
             self.stage_names[stage],
@@ -411,23 +433,23 @@ class Engine:
     async def _run_flight(self, flight: Flight) -> None:
         m = flight.manifest
         try:
-            begun = await asyncio.gather(
-                *(
-                    self._guarded(k, "begin", partial(t.begin, m))
-                    for k, t in enumerate(self.durable, 1)
-                ),
-                return_exceptions=True,
-            )
-            for k, result in enumerate(begun, 1):
-                if isinstance(result, Exception):
-                    self._fail(flight, k, result)
             async with asyncio.TaskGroup() as tg:
-                for i, shard in enumerate(m.shards):
-                    if self._failed_at(flight, 0):
-                        break
-                    block = await self.arena.allocate(shard.length)
-                    flight.blocks[i] = block
-                    tg.create_task(self._shard_flow(flight, i, shard, block))
+                # each durable tier prepares the step beside the capture, never in front of
+                # it: the guard waits for captures only, so a tier whose begin() is slow or
+                # hangs must not hold training up; a shard waits for it before its put
+                flight.begun = [
+                    tg.create_task(self._begin(flight, k, t), name=f"lazyckpt-begin-{k}")
+                    for k, t in enumerate(self.durable, 1)
+                ]
+                if self.host_last:
+                    await self._run_kept(flight, tg)
+                else:
+                    for i, shard in enumerate(m.shards):
+                        if self._failed_at(flight, 0):
+                            break
+                        block = await self.arena.allocate(shard.length)
+                        flight.blocks[i] = block
+                        tg.create_task(self._shard_flow(flight, i, shard, block))
                 if not m.shards:
                     tg.create_task(self._commit_empty(flight))
         except Exception as exc:  # a bug in the engine: fail the snapshot loudly
@@ -435,11 +457,53 @@ class Engine:
         finally:
             await self._finish(flight)
 
+    async def _begin(self, flight: Flight, stage: int, tier: Tier) -> bool:
+        """``tier.begin`` for the flight; False (the flight failed on that tier) if it failed."""
+        try:
+            await self._guarded(stage, "begin", partial(tier.begin, flight.manifest))
+        except Exception as exc:
+            self._fail(flight, stage, exc)
+            return False
+        return True
+
+    async def _run_kept(self, flight: Flight, tg: asyncio.TaskGroup) -> None:
+        """Start the shard flows of a snapshot on a host-only chain.
+
+        There the arena is the snapshot's only home, so it must hold all of it at once: a
+        snapshot larger than the arena fails before anything is evicted, and the blocks are
+        taken together (one snapshot after the other, in step order) and held until the
+        host tier committed the snapshot, so no other snapshot evicts part of it meanwhile.
+        Older committed snapshots are evicted, oldest first, to make room for it.
+        """
+        m = flight.manifest
+        assert self.host is not None and self._kept_order is not None
+        sizes = [shard.length for shard in m.shards]
+        needed = sum((n + 4095) // 4096 * 4096 for n in sizes)
+        if needed > self.arena.capacity:
+            self._fail(
+                flight,
+                0,
+                TierFullError(
+                    f"step {flight.step} needs {needed} bytes of host memory but the host "
+                    f"tier holds {self.arena.capacity} bytes, and it is the only tier: raise "
+                    "its capacity_bytes, or add a durable tier after it (a snapshot larger "
+                    "than the arena then streams through it)",
+                    tier=self.host.name,
+                ),
+            )
+            return
+        async with self._kept_order:
+            blocks = await self.arena.allocate_all(sizes)
+        for i, (shard, block) in enumerate(zip(m.shards, blocks, strict=True)):
+            flight.blocks[i] = block
+            tg.create_task(self._shard_flow(flight, i, shard, block))
+
     async def _commit_empty(self, flight: Flight) -> None:
         self._on_all_captured(flight)
         await self._on_all_checksummed(flight)
         for k in range(1, len(self.stage_names)):
-            await self._commit(flight, k)
+            if await flight.begun[k - 1]:
+                await self._commit(flight, k)
 
     async def _shard_flow(self, flight: Flight, i: int, shard: ShardMeta, block: Block) -> None:
         m = flight.manifest
@@ -478,15 +542,17 @@ class Engine:
             if flight.checksummed_count == len(m.shards):
                 await self._on_all_checksummed(flight)
             for k, tier in enumerate(self.durable, 1):
-                if self._failed_at(flight, k):
+                if not await flight.begun[k - 1] or self._failed_at(flight, k):
                     break
-                if not holding:
-                    holding = self.arena.claim(block)
-                    if not holding:  # evicted: read it back from the previous durable tier
-                        block = await self._refetch(flight, shard, k - 1)
-                        holding = True
                 try:
+                    # the turn on the tier first, then the block: a shard queued behind a
+                    # slow tier holds no arena space it does not need yet
                     async with self._tier_sems[k - 1]:
+                        if not holding:
+                            holding = self.arena.claim(block)
+                            if not holding:  # evicted: read it back from the previous tier
+                                block = await self._refetch(flight, shard, k - 1)
+                                holding = True
                         t0 = time.perf_counter()
                         data = block.memoryview()
                         await self._guarded(
@@ -507,7 +573,9 @@ class Engine:
                 if flight.persisted[k] == len(m.shards):
                     await self._commit(flight, k)
         finally:
-            if holding:
+            if holding and adopted is not None and self.host_last:
+                flight.kept.append(block)  # held until the host tier commits the snapshot
+            elif holding:
                 self._release(block, adopted)
             if adopted is None:  # nobody keeps staging blocks once the shard is through
                 self.arena.discard(block)
@@ -561,6 +629,9 @@ class Engine:
         if self._failed_at(flight, 0):
             return
         flight.stats.capture_s = time.perf_counter() - flight.t_submit
+        # a flight may stay a long time behind a slow tier: it must not keep the state's
+        # tensors alive meanwhile (every capture job has returned; none reads them again)
+        flight.refs = ()
         if not flight.captured.done():
             flight.captured.set_result(None)
 
@@ -585,7 +656,7 @@ class Engine:
             await self._guarded(stage, "commit", partial(tier.commit, manifest))
             hooks.point("tier.commit.after")
         except Exception as exc:
-            if stage == 0:  # the host copy is a convenience; its loss fails nothing else
+            if stage == 0 and not self.host_last:  # a convenience copy: its loss fails nothing
                 log.info("host tier did not keep step %d: %s", flight.step, exc)
                 self._resolve(flight, 0)
                 return
@@ -710,6 +781,16 @@ class Engine:
             with self._lock:
                 self._unreported.append(err)
 
+    async def delete_on_tier(self, tier: Tier, stage: int, step: int) -> None:
+        """Delete ``step`` on one tier for ``Checkpointer.delete`` (engine loop): under the
+        tier's retention lock, so no retention pass deletes it at the same time or lists it
+        half deleted."""
+        if stage == 0:
+            await self._guarded(0, f"delete step {step}", partial(tier.delete, step))
+            return
+        async with self._retention_locks[stage - 1]:
+            await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
+
     def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None:
         name = self.stage_names[stage]
         self.tier_bytes[name] += nbytes
@@ -738,11 +819,38 @@ class Engine:
                     step=flight.step,
                     tiers=failed,
                 )
+                self.failed += 1
+                log.warning(
+                    "SNAPSHOT FAILED: step %d is not committed on %s (%d failed so far); "
+                    "training goes on: %s",
+                    flight.step, failed, self.failed,
+                    flight.errors[0] if flight.errors else "no cause recorded",
+                    extra={"step": flight.step, "tier": failed[0]},
+                )
                 self._finish_failed(flight, error, flight.failed_from)
         finally:
+            self._settle_kept(flight)
             self.flights.pop(flight.step, None)
             self._record(flight)
             flight.done.set()
+
+    def _settle_kept(self, flight: Flight) -> None:
+        """Give a host-only chain's snapshot blocks back: free at once if it failed;
+        evictable once it is committed, in step order, so that the arena, which evicts
+        the blocks made evictable first, always evicts the oldest committed snapshot
+        first (snapshots may commit out of order)."""
+        if not self.host_last:
+            return
+        flight.finished = True
+        if flight.failed_from is not None:
+            kept, flight.kept = flight.kept, []
+            for block in kept:
+                self.arena.release(block)
+        while self._kept_queue and self._kept_queue[0].finished:
+            done = self._kept_queue.pop(0)
+            kept, done.kept = done.kept, []
+            for block in kept:
+                self._release(block, block)
 
     def _record(self, flight: Flight) -> None:
         if not flight.recorded:
@@ -751,6 +859,11 @@ class Engine:
             del self.history[:-1000]
 
     def _finish_failed(self, flight: Flight, error: LazyCkptError, stage: int) -> None:
+        # queued before any waiter wakes: one woken by the futures below (wait_captured)
+        # then finds the failure to report
+        with self._lock:
+            if not flight.reported:
+                self._unreported.append(error)
         if stage == 0 and not flight.captured.done():
             flight.captured.set_exception(error)
         elif not flight.captured.done():
@@ -759,9 +872,6 @@ class Engine:
             fut = flight.reached[name]
             if k >= stage and not fut.done():
                 fut.set_exception(error)
-        with self._lock:
-            if not flight.reported:
-                self._unreported.append(error)
         flight.done.set()
 
     # -- metrics ---------------------------------------------------------------------------
@@ -788,6 +898,7 @@ class Engine:
             "shards_in_flight": states,
             "snapshots_in_flight": len(self.flights),
             "snapshots_skipped": self.skipped,
+            "snapshots_failed": self.failed,
             "arena": {
                 "capacity": arena.capacity,
                 "held": arena.held,

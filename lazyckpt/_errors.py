@@ -98,14 +98,35 @@ class ImmutabilityViolationError(LazyCkptError):
     ``ckpt.guard(optimizer)``) before mutating snapshotted tensors.
     """
 
-    def __init__(self, key: str, step: int, recorded: int, found: int) -> None:
+    def __init__(
+        self, key: str, step: int, recorded: int, found: int, *, message: str | None = None
+    ) -> None:
         self.key = key
         self.step = step
         super().__init__(
-            f"tensor {key!r} of step {step} was modified in place before its capture finished "
-            f"(version {recorded} at snapshot(), {found} at capture); the snapshot is not "
-            "committed. Await ckpt.wait_captured() or use ckpt.guard(optimizer) before the "
-            "optimizer step."
+            message
+            or f"tensor {key!r} of step {step} was modified in place before its capture "
+            f"finished (version {recorded} at snapshot(), {found} at capture); the snapshot "
+            "is not committed. Await ckpt.wait_captured() or use ckpt.guard(optimizer) "
+            "before the optimizer step; a tensor that changes outside the optimizer step (a "
+            "buffer updated in forward) must be copied at snapshot(): list its key in "
+            "Checkpointer(eager=[...]) or raise eager_bytes."
+        )
+
+    @classmethod
+    def changed_bytes(cls, key: str, step: int) -> ImmutabilityViolationError:
+        """The ``verify_sources`` check found ``key``'s bytes changed after its capture
+        although its version counter did not move."""
+        return cls(
+            key,
+            step,
+            -1,
+            -1,
+            message=f"tensor {key!r} of step {step} changed while the snapshot was being "
+            "captured, without its version counter moving (a write through .data, a numpy "
+            "view or a custom kernel); the snapshot is not committed. Make such writes "
+            "after the guard (or wait_captured()), or list the key in "
+            "Checkpointer(eager=[...]).",
         )
 
 

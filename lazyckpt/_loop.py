@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -17,6 +18,12 @@ from typing import Any, TypeVar
 __all__ = ["EngineLoop"]
 
 T = TypeVar("T")
+log = logging.getLogger("lazyckpt")
+_LEFTOVER_S = 5.0  # how long stopping waits for abandoned tasks to finish cancelling
+
+
+def _quiet(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    log.debug("engine loop, stopping: %s", context.get("message"))
 
 
 def _new_loop(use_uvloop: bool | None) -> asyncio.AbstractEventLoop:
@@ -47,8 +54,27 @@ class EngineLoop:
         try:
             self.loop.run_forever()
         finally:
+            self._cancel_leftovers()
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
+
+    def _cancel_leftovers(self) -> None:
+        """Cancel and await whatever still runs when the loop stops (a Checkpointer stopped
+        without draining: abandoned at exit, or its close interrupted), so that no task is
+        destroyed pending and no task's error is printed when it is collected."""
+        tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        if not tasks:
+            return
+        # what the loop would still report (a task given up below, an error nobody awaited)
+        # goes to the log at debug level: the Checkpointer has said what was lost
+        self.loop.set_exception_handler(_quiet)
+        for task in tasks:
+            task.cancel()
+        # bounded: a cancelled flight still tries to abort its uncommitted files
+        self.loop.run_until_complete(asyncio.wait(tasks, timeout=_LEFTOVER_S))
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved, so it is not reported when collected
 
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread

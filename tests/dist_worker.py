@@ -52,6 +52,16 @@ async def run(scenario: str, root: Path, rank: int) -> dict[str, Any]:
             result["errors"] = await commit_each(ckpt, ((s, state_of(rank, s)) for s in steps))
             if scenario == "kill":
                 return result  # the peer is gone: no more collectives
+        if scenario == "delete":
+            result["errors"] = await commit_each(ckpt, ((s, state_of(rank, s)) for s in range(4)))
+            await ckpt.delete(1)
+            await ckpt.delete(3)  # the newest: step 3 may be taken again (a rollback)
+            handle = await ckpt.snapshot(state_of(rank, 3), step=3)
+            try:
+                await ckpt.delete(3)
+            except lazyckpt.SnapshotInFlightError:
+                result["in_flight_refused"] = True
+            await handle.committed()
         result["steps"] = await ckpt.steps()
         restored = await ckpt.restore()
         result["restored_step"] = restored["step"]

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from lazyckpt import ConfigurationError, HostArena
+from lazyckpt import Block, ConfigurationError, HostArena
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ async def test_backpressure_waits_for_space(arena: HostArena) -> None:
 
 
 async def test_eviction_oldest_first_with_callback(arena: HostArena) -> None:
-    evicted = []
+    evicted: list[Block] = []
     a = await arena.allocate(32 << 10)
     b = await arena.allocate(32 << 10)
     for blk in (a, b):
@@ -165,3 +165,45 @@ def test_a_forked_child_gets_no_copy_of_the_pinned_arena(fake_cuda: _FakeCudart)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
     finally:
         arena.release_memory()
+
+
+async def test_allocate_all_takes_everything_or_nothing(arena: HostArena) -> None:
+    other = await arena.allocate(32 << 10)  # someone else's, held
+    kept = await arena.allocate(16 << 10)
+    arena.mark_evictable(kept, None)
+    arena.release(kept)
+    # 48 KiB needed, 16 free + 16 evictable: waiting, holding nothing, evicting nothing
+    waiter = asyncio.create_task(arena.allocate_all([16 << 10, 16 << 10, 16 << 10]))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    assert arena.stats().held == 32 << 10 and not kept.freed
+    arena.release(other)
+    blocks = await asyncio.wait_for(waiter, 5)
+    assert [b.length for b in blocks] == [16 << 10] * 3 and arena.stats().held == 48 << 10
+    assert not kept.freed  # there was room without it
+    # 32 KiB more: nothing free, 16 evictable; refused, and the kept block stays
+    assert arena.try_allocate_all([16 << 10, 16 << 10]) is None and not kept.freed
+    arena.release(blocks[0])
+    more = arena.try_allocate_all([16 << 10, 16 << 10])  # 16 free + 16 evictable
+    assert more is not None and kept.freed
+
+
+async def test_allocate_all_gives_back_a_part_when_the_space_is_fragmented(
+    arena: HostArena,
+) -> None:
+    a, b, c, d = [await arena.allocate(16 << 10) for _ in range(4)]
+    arena.release(b)  # free 16 KiB between two held blocks
+    arena.mark_evictable(d, None)
+    arena.release(d)
+    # 48 KiB are free or evictable, but no 32 KiB run can be made while a and c are held
+    assert arena.try_allocate_all([16 << 10, 32 << 10]) is None
+    assert arena.stats().held == 32 << 10  # the 16 KiB taken on the way were given back
+    arena.release(a)
+    arena.release(c)
+    got = arena.try_allocate_all([16 << 10, 32 << 10])
+    assert got is not None and arena.stats().held == 48 << 10
+
+
+async def test_allocate_all_refuses_more_than_the_arena(arena: HostArena) -> None:
+    with pytest.raises(ConfigurationError, match="do not fit an arena"):
+        arena.try_allocate_all([32 << 10, 32 << 10, 4096])

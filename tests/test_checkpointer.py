@@ -130,7 +130,9 @@ async def test_snapshot_copies_no_bytes_until_later(tmp_path: Path) -> None:
 
 async def test_immutability_violation_raised_by_next_snapshot(tmp_path: Path) -> None:
     t = torch.zeros(4096, 512)
-    async with lazyckpt.Checkpointer(chain(tmp_path, 64 << 20), **SMALL) as ckpt:
+    async with lazyckpt.Checkpointer(
+        chain(tmp_path, 64 << 20), on_failure="raise", **SMALL
+    ) as ckpt:
         gate, release = hold_captures(ckpt)
         await ckpt.snapshot({"t": t}, step=1)
         t.mul_(2)

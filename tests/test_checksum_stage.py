@@ -151,7 +151,9 @@ async def test_a_failing_checksum_fails_the_snapshot_and_leaks_no_block(
 
 
 async def test_a_failing_checksum_is_reported_by_the_next_snapshot() -> None:
-    async with lazyckpt.Checkpointer([HostMemoryTier(8 << 20)], **SMALL) as ckpt:
+    async with lazyckpt.Checkpointer(
+        [HostMemoryTier(8 << 20)], on_failure="raise", **SMALL
+    ) as ckpt:
         held = hold_checksums(ckpt, fail_at=1)
         await ckpt.snapshot(state(1), step=1)
         held.gate.set()

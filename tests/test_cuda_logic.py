@@ -718,7 +718,7 @@ def test_stream_guard_with_the_engine_keeps_each_snapshot_before_its_step() -> N
         rt.to_device(p)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     with lazyckpt.SyncCheckpointer(
-        [HostMemoryTier(8 << 20)], shard_size=8192, pack_bytes=1024
+        [HostMemoryTier(8 << 20)], shard_size=8192, pack_bytes=1024, eager_bytes=0
     ) as ckpt:
         engine = ckpt._core.engine
         engine.capture.close()
@@ -915,6 +915,7 @@ def cuda_checkpointer(rt: FakeRuntime, **kwargs: Any) -> lazyckpt.SyncCheckpoint
         shard_size=8192,
         pack_bytes=1024,
         retry_backoff=0.001,
+        eager_bytes=0,  # every tensor through the (fake) device path under test
         **kwargs,
     )
     engine = ckpt._core.engine

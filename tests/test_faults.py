@@ -80,7 +80,7 @@ async def test_unseen_failure_is_raised_by_aclose(tmp_path: Path) -> None:
     faulty = FaultyTier(FileTier(tmp_path / "f"))
     with pytest.raises(SnapshotFailedError):
         async with lazyckpt.Checkpointer(
-            [HostMemoryTier(8 << 20), faulty], retries=0, **SMALL
+            [HostMemoryTier(8 << 20), faulty], retries=0, on_failure="raise", **SMALL
         ) as ckpt:
             faulty.break_("put_shard")
             await ckpt.snapshot(state(1), step=1)

@@ -26,8 +26,13 @@ class HostMemoryTier(Tier):
     Captures are copied straight into this tier's arena (no second copy). Once a shard is
     durable on the next tier its block becomes reclaimable, but it stays until the arena
     needs the space, so the newest snapshots remain here for instant restore or rollback.
-    A snapshot larger than the arena still checkpoints: its shards stream through, and it is
-    simply not kept here.
+    A snapshot larger than the arena still checkpoints: its shards stream through to the
+    next tier, and it is simply not kept here.
+
+    As the only tier of a chain, this tier is where snapshots end: a snapshot counts as
+    committed only once it is here whole. The arena then keeps the newest snapshots that fit,
+    evicting the oldest (whole) to make room for a newer one; a snapshot larger than the
+    arena fails with :class:`~lazyckpt.TierFullError` and evicts nothing.
 
     Args:
         capacity_bytes: the arena's size, allocated and touched once when the Checkpointer
@@ -126,7 +131,9 @@ class HostMemoryTier(Tier):
         if len(blocks) != len(manifest.shards) or any(b.freed for b in blocks.values()):
             self.forget(manifest.step)
             raise TierFullError(
-                f"step {manifest.step} does not fit the arena whole; it is not kept in memory",
+                f"step {manifest.step} ({manifest.tensor_bytes} bytes) does not fit the "
+                f"{self._arena.capacity} byte arena whole; it is not kept in memory. Raise "
+                "capacity_bytes to keep snapshots of this size here",
                 tier=self.name,
             )
         self._committed[manifest.step] = manifest

@@ -36,7 +36,6 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, ClassVar
 
-import crc32c
 import pytest
 import torch
 
@@ -48,35 +47,11 @@ from .._errors import (
     SnapshotNotFoundError,
     TierError,
 )
-from .._manifest import LayoutOptions, Manifest, plan_layout
+from .._manifest import Manifest
 from .._tier import SupportsStaging, Tier
-from .._tree import walk_state
+from ._oracle import build_snapshot
 
-__all__ = ["TierTests", "build_snapshot"]
-
-
-def build_snapshot(
-    step: int, state: dict[str, Any], *, shard_size: int = 1 << 14, pack_bytes: int = 2048
-) -> tuple[Manifest, list[bytes]]:
-    """A manifest (with checksums) and each shard's bytes for ``state``, computed in the
-    simplest possible way (no engine): an oracle for tier tests."""
-    tree, refs = walk_state(state, allow_pickle=False)
-    manifest = plan_layout(step, tree, refs, LayoutOptions(shard_size, pack_bytes))
-    payloads = []
-    for shard in manifest.shards:
-        buf = bytearray(shard.length)
-        for seg in shard.segments:
-            meta = manifest.tensors[seg.tensor]
-            src = refs[seg.tensor].tensor
-            if meta.mode == "rows":
-                src = src[seg.start : seg.stop]
-            elif meta.mode == "flat":
-                src = src.reshape(-1)[seg.start : seg.stop]
-            raw = src.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            buf[seg.offset : seg.offset + len(raw)] = raw
-        payloads.append(bytes(buf))
-    manifest = manifest.with_checksums([crc32c.crc32c(p) for p in payloads])
-    return manifest, payloads
+__all__ = ["TierTests"]
 
 
 def _sample_state(seed: int = 0) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,12 @@ def test_wait_captured_failure_keeps_latest(tmp_path: Path, caplog: pytest.LogCa
     eng = engine_on(tmp_path, slow, wait="captured", retries=0)
     info = save_tag(eng, tmp_path / "ds", "t", {"model.pt": {"w": torch.ones(8)}})
     assert eng.commit(info)
+    # "t" is only captured when commit returns: let it become durable (and named by latest)
+    # before the tier breaks, or "t" fails too
+    latest = tmp_path / "ds" / "latest"
+    deadline = time.monotonic() + 60
+    while not latest.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     slow.break_("put_shard")
     info = save_tag(eng, tmp_path / "ds", "u", {"model.pt": {"w": torch.ones(8)}})
     with caplog.at_level(logging.ERROR, logger="lazyckpt.deepspeed"):

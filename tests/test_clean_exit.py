@@ -1,0 +1,135 @@
+"""Clean exits: a Checkpointer its trainer never closed, lazyckpt's own gloo groups, and the
+test kit without pytest. Each case runs in a fresh interpreter, as a user's script would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOISE = ("Task was destroyed", "ExceptionGroup", "Exception ignored", "Traceback (most recent call last)\n  File \"<frozen")
+
+
+def run(code: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+TRAINER_RAISES = """
+    import asyncio, torch, lazyckpt
+    from lazyckpt.testing import FaultyTier
+    from tiers import FileTier, HostMemoryTier
+
+    async def main():
+        slow = FaultyTier(FileTier("ckpt"))
+        slow.{fault}
+        ckpt = {kind}([HostMemoryTier(16 << 20), slow], exit_timeout={timeout})
+        await ckpt.open() if {is_async} else ckpt.open()
+        model = torch.nn.Linear(256, 256)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ckpt.guard(opt)
+        for step in range(3):
+            model(torch.randn(4, 256)).sum().backward()
+            opt.step()
+            handle = ckpt.snapshot({{"model": model, "optim": opt}}, step=step)
+            if {is_async}:
+                handle = await handle
+            asyncio.get_running_loop().create_task(handle.committed())
+        raise RuntimeError("the trainer crashed")
+
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lazyckpt.Checkpointer", "lazyckpt.SyncCheckpointer"])
+def test_a_checkpointer_never_closed_drains_quietly_at_exit(tmp_path: Path, kind: str) -> None:
+    code = TRAINER_RAISES.format(
+        fault="delay_s = 0.05", kind=kind, timeout=30, is_async=kind.endswith(".Checkpointer")
+    )
+    done = run(code, tmp_path)
+    assert done.returncode == 1
+    assert "RuntimeError: the trainer crashed" in done.stderr
+    assert not [n for n in NOISE if n in done.stderr], done.stderr
+    assert "lazyckpt" not in done.stderr.split("RuntimeError: the trainer crashed")[1]
+    # drained at exit: every snapshot reached the durable tier
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == [
+        f"step-{s:012d}" for s in range(3)
+    ]
+
+
+@pytest.mark.slow
+def test_a_checkpointer_that_cannot_drain_says_so_once(tmp_path: Path) -> None:
+    code = TRAINER_RAISES.format(
+        fault='hang("put_shard")', kind="lazyckpt.Checkpointer", timeout=0.5, is_async=True
+    )
+    done = run(code, tmp_path)
+    assert done.returncode == 1
+    assert not [n for n in NOISE if n in done.stderr], done.stderr
+    tail = done.stderr.split("RuntimeError: the trainer crashed")[1]
+    assert tail.count("was not closed before exit") == 1
+    assert "steps [0, 1, 2] were abandoned" in tail
+
+
+@pytest.mark.slow
+def test_the_gloo_groups_are_destroyed_on_close(tmp_path: Path) -> None:
+    code = """
+        import asyncio, socket, torch, torch.distributed as dist, lazyckpt
+        from torch.distributed.distributed_c10d import _world
+        from tiers import FileTier
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        before = len(_world.pg_map)
+
+        async def main():
+            async with lazyckpt.Checkpointer([FileTier("ckpt")], distributed=True) as ckpt:
+                during = len(_world.pg_map)
+                await (await ckpt.snapshot({"w": torch.ones(3)}, step=0)).committed()
+            return during
+
+        during = asyncio.run(main())
+        after = len(_world.pg_map)
+        dist.destroy_process_group()
+        print(before, during, after)
+    """
+    done = run(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    before, during, after = map(int, done.stdout.split())
+    assert during == before + 2  # a control group and one per durable tier
+    assert after == before
+
+
+@pytest.mark.slow
+def test_the_test_kit_imports_without_pytest(tmp_path: Path) -> None:
+    code = """
+        import sys
+        sys.modules["pytest"] = None  # any import of pytest now fails
+        import lazyckpt.testing as kit
+        from lazyckpt.testing import FaultyTier, build_snapshot
+        from tiers import FileTier
+        import torch
+        FaultyTier(FileTier("x")).fail_next("commit")
+        manifest, payloads = build_snapshot(1, {"w": torch.ones(4)})
+        try:
+            kit.TierTests
+        except ImportError:
+            print("TierTests needs pytest")
+    """
+    done = run(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "TierTests needs pytest"

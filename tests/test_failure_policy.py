@@ -1,0 +1,166 @@
+"""A failed snapshot never costs a training step: the guard waits and never raises into
+``optimizer.step()``; failures go to the handle, the log, metrics and ``on_failure``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt import ImmutabilityViolationError, SnapshotFailedError
+from lazyckpt._manifest import Manifest
+from lazyckpt.testing import FaultyTier
+from tiers import FileTier, HostMemoryTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bn_net import Trainer
+from gating import hold_captures
+
+SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096, "retries": 0}
+STEPS = 10
+
+
+class EveryOtherCommitFails(FaultyTier):
+    """A tier whose commit fails on every other call (the 1st, 3rd, ...)."""
+
+    async def commit(self, manifest: Manifest) -> None:
+        if self.calls["commit"] % 2 == 0:
+            self.fail_next("commit")
+        await super().commit(manifest)
+
+
+def failures_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records
+        if r.name == "lazyckpt" and r.levelno >= logging.WARNING and "SNAPSHOT FAILED" in r.getMessage()
+    ]
+
+
+async def test_a_tier_failing_every_other_commit_costs_no_optimizer_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = Trainer(STEPS)
+    flaky = EveryOtherCommitFails(FileTier(tmp_path / "file"))
+    handles = []
+    async with lazyckpt.Checkpointer([HostMemoryTier(32 << 20), flaky], **SMALL) as ckpt:
+        ckpt.guard(run.opt)
+        for step in range(STEPS):
+            run.step(step)  # nothing here may raise
+            handles.append(await ckpt.snapshot(run.state(step), step=step))
+            await handles[-1].reached("host")  # commits in step order: every other one fails
+        failed = []
+        for h in handles:
+            try:
+                await h.committed()
+            except SnapshotFailedError as exc:
+                assert exc.step == h.step and exc.tiers == ("file",)
+                failed.append(h.step)
+        assert ckpt.metrics()["snapshots_failed"] == len(failed) == STEPS // 2
+        listed = await flaky.steps()
+    # every optimizer, scaler and scheduler update happened
+    assert run.optimizer_steps == STEPS
+    assert run.sched.last_epoch == STEPS
+    assert run.scaler._get_growth_tracker() == STEPS
+    # a failed snapshot is never listed; one warning per failed snapshot, naming its step
+    assert listed == [s for s in range(STEPS) if s not in failed]
+    logged = failures_logged(caplog)
+    assert sorted(int(re.search(r"step (\d+) ", m).group(1)) for m in logged) == failed  # type: ignore[union-attr]
+    async with lazyckpt.Checkpointer([FileTier(tmp_path / "file")]) as fresh:
+        assert await fresh.steps() == listed
+
+
+async def test_a_failed_capture_does_not_stop_the_next_optimizer_step(tmp_path: Path) -> None:
+    run = Trainer(STEPS)
+    frozen = torch.zeros(1 << 19)  # 2 MiB, lazy, and (wrongly) changed before its capture
+    async with lazyckpt.Checkpointer(
+        [HostMemoryTier(32 << 20), FileTier(tmp_path / "file")], **SMALL
+    ) as ckpt:
+        ckpt.guard(run.opt)
+        run.step(0)
+        gate, release = hold_captures(ckpt)
+        handle = await ckpt.snapshot({**run.state(0), "frozen": frozen}, step=0)
+        frozen.add_(1)
+        gate.set()
+        release()
+        run.step(1)  # the guard waits for the failed capture and lets the step run
+        assert run.optimizer_steps == 2
+        with pytest.raises(SnapshotFailedError) as info:
+            await handle.captured()
+        assert info.group_contains(ImmutabilityViolationError, match="'frozen'")
+        # "warn": nothing else raises it, and training and snapshots go on
+        await ckpt.wait_captured()
+        await (await ckpt.snapshot(run.state(1), step=1)).committed()
+        assert await ckpt.steps() == [1]
+
+
+async def test_on_failure_raise_raises_from_the_next_snapshot_never_from_the_step(
+    tmp_path: Path,
+) -> None:
+    run = Trainer(STEPS)
+    broken = FaultyTier(FileTier(tmp_path / "file"))
+    broken.break_("put_shard")
+    async with lazyckpt.Checkpointer(
+        [HostMemoryTier(32 << 20), broken], on_failure="raise", **SMALL
+    ) as ckpt:
+        ckpt.guard(run.opt)
+        raised = []
+        for step in range(STEPS):
+            run.step(step)  # the optimizer hook never raises, whatever the policy
+            try:
+                handle = await ckpt.snapshot(run.state(step), step=step)
+            except SnapshotFailedError as exc:
+                raised.append(exc.step)
+                handle = await ckpt.snapshot(run.state(step), step=step)
+            with pytest.raises(SnapshotFailedError):
+                await handle.committed()  # seen here: not raised again by the next snapshot()
+        assert raised == []
+        assert ckpt.metrics()["snapshots_failed"] == STEPS
+        # an unseen failure is raised by the next snapshot(), once
+        await ckpt.snapshot(run.state(STEPS), step=STEPS)
+        engine = ckpt._core.engine
+        await asyncio.wrap_future(engine.loop.submit(engine.drain()))
+        with pytest.raises(SnapshotFailedError, match=f"step {STEPS}"):
+            await ckpt.snapshot(run.state(STEPS + 1), step=STEPS + 1)
+        broken.heal()
+        await (await ckpt.snapshot(run.state(STEPS + 1), step=STEPS + 1)).committed()
+    assert run.optimizer_steps == STEPS
+
+
+def test_on_failure_is_validated(tmp_path: Path) -> None:
+    with pytest.raises(lazyckpt.ConfigurationError, match="on_failure"):
+        lazyckpt.Checkpointer([FileTier(tmp_path)], on_failure="ignore")
+
+
+async def test_warn_leaves_close_quiet_and_raise_raises_there(tmp_path: Path) -> None:
+    for policy in ("warn", "raise"):
+        broken = FaultyTier(FileTier(tmp_path / policy))
+        broken.break_("commit")
+        try:
+            async with lazyckpt.Checkpointer(
+                [HostMemoryTier(8 << 20), broken], on_failure=policy, **SMALL
+            ) as ckpt:
+                await ckpt.snapshot({"w": torch.randn(100, 100)}, step=0)
+        except SnapshotFailedError:
+            assert policy == "raise"
+        else:
+            assert policy == "warn"
+
+
+@pytest.mark.slow
+def test_the_batchnorm_flaky_storage_example() -> None:
+    import subprocess
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "batchnorm_flaky_storage.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "optimizer steps: 12 of 12" in done.stdout
+    assert "losses identical bit for bit: True" in done.stdout
+    assert done.stderr.count("SNAPSHOT FAILED") == 4
