@@ -4,11 +4,14 @@
 Each tensor holds 16 float32 values, so the bytes stay negligible and only the count varies.
 For each count, in one process:
 
-- ``snapshot()`` cold (a new Checkpointer and a state whose keys this process has never
+- ``snapshot()`` (with ``eager_bytes=0``: every tensor left to the capture, as a guarded
+  optimizer's parameters and state are) cold (a new Checkpointer and a state whose keys this process has never
   seen: every cache empty) and warm (the same state again, as every training step does),
   in µs per tensor, with the garbage collector's collections per generation and the time
   it spent during the call (``gc.callbacks``), and the Python function calls per tensor of
-  one warm call under ``cProfile`` (a count, so it does not depend on the machine's load);
+  one warm call under ``cProfile`` (a count, so it does not depend on the machine's load),
+  the collector's seconds over whole cycles (``snapshot()`` until committed), and a warm
+  call with the default eager policy (every tiny tensor copied at once);
 - the manifest a FileTier commits: its size on disk, the time to read and parse it back
   (``tier.read_manifest``) and to encode it;
 - ``restore()`` from that FileTier into new tensors and into existing ones (``into=``), in
@@ -124,8 +127,10 @@ async def _lazy(n: int, tmp: Path, reps: int, progress: Progress) -> dict[str, A
     cold_s: float
     warm: list[float] = []
     watches: list[GcWatch] = []
+    # eager_bytes=0: every tensor is left to the capture, as the parameters and optimizer
+    # state a guarded optimizer owns are; the default policy's copies are measured below
     async with lazyckpt.Checkpointer(
-        [HostMemoryTier(capacity_bytes=256 << 20), FileTier(root, keep_last=1)]
+        [HostMemoryTier(capacity_bytes=256 << 20), FileTier(root, keep_last=1)], eager_bytes=0
     ) as ckpt:
         gc.collect()
         cold_watch = GcWatch()
@@ -136,14 +141,16 @@ async def _lazy(n: int, tmp: Path, reps: int, progress: Progress) -> dict[str, A
         t0 = time.perf_counter()
         await h.committed()
         out["cold_to_durable_s"] = time.perf_counter() - t0
+        cycle = GcWatch()  # the collector over whole cycles: snapshot() until committed
         for step in range(1, reps + 1):
             watch = GcWatch()
-            with watch.active():
-                t0 = time.perf_counter()
-                h = await ckpt.snapshot(state, step=step)
-                warm.append(time.perf_counter() - t0)
-            watches.append(watch)
-            await h.committed()
+            with cycle.active():
+                with watch.active():
+                    t0 = time.perf_counter()
+                    h = await ckpt.snapshot(state, step=step)
+                    warm.append(time.perf_counter() - t0)
+                watches.append(watch)
+                await h.committed()
         handles: list[lazyckpt.SnapshotHandle] = []
 
         def one_snapshot() -> None:
@@ -154,6 +161,15 @@ async def _lazy(n: int, tmp: Path, reps: int, progress: Progress) -> dict[str, A
         await handles[0].committed()
         out["snapshot_calls_per_tensor"] = calls
         out["snapshot_profile_top"] = top
+    # the default policy: tensors no guarded optimizer owns, up to 1 MiB, are copied at once
+    default: list[float] = []
+    async with lazyckpt.Checkpointer([HostMemoryTier(capacity_bytes=256 << 20)]) as ckpt:
+        for step in range(3):
+            t0 = time.perf_counter()
+            h = await ckpt.snapshot(state, step=step)
+            default.append(time.perf_counter() - t0)
+            await h.committed()
+    out["snapshot_default_policy_warm_us_per_tensor"] = min(default[1:]) / n * 1e6
     out["snapshot_cold_us_per_tensor"] = cold_s / n * 1e6
     out["snapshot_cold_gc"] = {"collections": cold_watch.collections, "s": cold_watch.seconds}
     out["snapshot_warm_s"] = summarize(warm)
@@ -161,11 +177,14 @@ async def _lazy(n: int, tmp: Path, reps: int, progress: Progress) -> dict[str, A
     out["snapshot_warm_gc"] = {
         "collections_per_call": [sum(w.collections[g] for w in watches) / reps for g in range(3)],
         "s_per_call": sum(w.seconds for w in watches) / reps,
+        "s_per_cycle": cycle.seconds / reps,
     }
     progress(
         f"  {n} tensors: snapshot() cold {out['snapshot_cold_us_per_tensor']:.2f} µs/tensor, "
         f"warm {out['snapshot_warm_us_per_tensor']['median']:.2f} µs/tensor, "
-        f"{calls:.1f} calls/tensor, gc {out['snapshot_warm_gc']['s_per_call'] * 1e3:.1f} ms/call"
+        f"{calls:.1f} calls/tensor, gc {out['snapshot_warm_gc']['s_per_call'] * 1e3:.1f} ms/call, "
+        f"{out['snapshot_warm_gc']['s_per_cycle'] * 1e3:.1f} ms/cycle; default eager policy "
+        f"{out['snapshot_default_policy_warm_us_per_tensor']:.2f} µs/tensor"
     )
 
     # the manifest, as the file tier committed it; read back by a second (read-only) tier
@@ -188,12 +207,17 @@ async def _lazy(n: int, tmp: Path, reps: int, progress: Progress) -> dict[str, A
         manifest.to_json()
         encode.append(time.perf_counter() - t0)
     await reader.aclose()
+    raw = man_path.read_bytes()
+    out["manifest_parse_calls_per_tensor"], _ = calls_per_tensor(
+        lambda: lazyckpt.Manifest.from_json(raw), n
+    )
     out["manifest_read_s"] = summarize(parse)
     out["manifest_read_us_per_tensor"] = summarize(parse)["median"] / n * 1e6
     out["manifest_encode_s"] = summarize(encode)
     progress(
         f"  {n} tensors: manifest {out['manifest_bytes'] / 1e6:.2f} MB, read+parse "
-        f"{out['manifest_read_us_per_tensor']:.2f} µs/tensor"
+        f"{out['manifest_read_us_per_tensor']:.2f} µs/tensor, "
+        f"{out['manifest_parse_calls_per_tensor']:.1f} calls/tensor"
     )
 
     # restore: the bytes are a few MiB and in the page cache; the per-tensor work is measured
