@@ -315,6 +315,7 @@ def run(counts: list[int], reps: int, tmp: Path, progress: Progress, dcp: bool) 
     rows = []
     for n in counts:
         row = asyncio.run(_lazy(n, tmp, reps, progress))
+        row.pop("snapshot_profile_top")  # file paths of this machine: printed by --profile only
         if dcp:
             row["dcp"] = _dcp(n, tmp, progress)
         rows.append(row)
