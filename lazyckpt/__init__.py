@@ -29,6 +29,7 @@ from ._errors import (
     LocationInUseError,
     SnapshotFailedError,
     SnapshotNotFoundError,
+    StateMismatchError,
     TierBrokenError,
     TierClosedError,
     TierError,
@@ -43,7 +44,7 @@ from ._metrics import (
     export_prometheus,
     install_log_context,
 )
-from ._restore import VerifyReport
+from ._restore import VerifyReport, strip_prefix
 from ._state import ShardState, TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,
@@ -89,6 +90,7 @@ __all__ = [
     "SnapshotSkippedError",
     "SnapshotSkippedWarning",
     "SnapshotStats",
+    "StateMismatchError",
     "Stateful",
     "StepTierAdapter",
     "StepTierFilter",
@@ -108,5 +110,6 @@ __all__ = [
     "export_prometheus",
     "install_log_context",
     "load_tier",
+    "strip_prefix",
     "translate_os_error",
 ]

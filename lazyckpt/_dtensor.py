@@ -49,7 +49,14 @@ from ._errors import (
     UnsupportedStateError,
 )
 from ._manifest import Manifest, ShardMeta, TensorMeta
-from ._restore import _byte_view, apply_into, committed_steps, read_manifest, read_verified
+from ._restore import (
+    _byte_view,
+    align_into,
+    apply_into,
+    committed_steps,
+    read_manifest,
+    read_verified,
+)
 from ._tier import Tier
 from ._tree import Stateful, TensorRef, decode_tree, walk_state
 
@@ -418,6 +425,7 @@ async def restore_resharded(
     overlapping parts from whichever saved ranks hold them (see the module docstring)."""
     if base.pickled and not allow_pickle:
         decode_tree(base.tree, [None] * len(base.tensors), allow_pickle=False)
+    align_into(base, into, rename=False)  # the keys are checked before anything is read
     device = torch.device(map_location) if map_location is not None else None
     targets = _targets(into)
     wanted: list[_Wanted | None] = []

@@ -10,7 +10,8 @@ catch everything the library means with one ``except``. A backend's own exceptio
     │   ├── UnsupportedStateError a state that cannot be checkpointed (sparse tensor, pickle refused)
     │   ├── ForeignLocationError  a tier's location holds what another kind of store wrote, or
     │   │                         something the tier does not understand (nothing is deleted)
-    │   └── LocationInUseError    another writer holds the location (``holder`` says who)
+    │   ├── LocationInUseError    another writer holds the location (``holder`` says who)
+    │   └── StateMismatchError    restore(into=...) names keys the snapshot does not have
     ├── InvalidTransitionError    a shard was moved against the state table (a bug, never your fault)
     ├── ImmutabilityViolationError a tensor changed in place before its capture finished
     ├── CorruptionError           stored bytes or a manifest fail their checksum or do not parse
@@ -40,6 +41,7 @@ __all__ = [
     "LocationInUseError",
     "SnapshotFailedError",
     "SnapshotNotFoundError",
+    "StateMismatchError",
     "TierBrokenError",
     "TierClosedError",
     "TierError",
@@ -85,6 +87,23 @@ class LocationInUseError(ConfigurationError):
         self.location = location
         self.holder = holder
         super().__init__(message)
+
+
+class StateMismatchError(ConfigurationError):
+    """The keys of a ``restore(into=...)`` target do not match the snapshot's.
+
+    Raised before anything is loaded. ``key`` is the path of the mapping or module that
+    differs (``""`` for the top level), ``missing`` the keys the target has and the snapshot
+    lacks, ``unexpected`` the keys the snapshot has and the target lacks.
+    """
+
+    def __init__(
+        self, message: str, *, key: str, missing: Sequence[object], unexpected: Sequence[object]
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
 
 
 class InvalidTransitionError(LazyCkptError):

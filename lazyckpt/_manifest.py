@@ -52,7 +52,15 @@ __all__ = [
     "plan_layout",
 ]
 
-FORMAT_VERSION = 2  # the newest this lazyckpt reads; 2 added the distributed fields
+# The newest this lazyckpt reads: 2 added the distributed fields, 3 the value-tree tags of
+# trainer state (numpy arrays, generators, dataclasses).
+FORMAT_VERSION = 3
+# How those tags open in a compact JSON encoding; a string a user stored that holds this text
+# is escaped (\") there, so it cannot be mistaken for one.
+_V3_TAGS = tuple(
+    f'{{"{tag}":'
+    for tag in ("$ndarray", "$generator", "$np_generator", "$np_random_state", "$random", "$dataclass")
+)
 SHARD_ALIGN = 4096
 PACK_ALIGN = 64
 
@@ -197,6 +205,13 @@ class Manifest:
     def segment_nbytes(self, seg: Segment) -> int:
         return math.prod(self.segment_shape(seg)) * self.tensors[seg.tensor].itemsize
 
+    def format_version(self) -> int:
+        """The oldest format version that can express this manifest."""
+        tree = json.dumps(self.tree, separators=(",", ":"), allow_nan=False)
+        if any(tag in tree for tag in _V3_TAGS):
+            return 3
+        return 2 if any(t.placements for t in self.tensors) else 1
+
     # -- codec -------------------------------------------------------------------------
 
     def to_json(self) -> bytes:
@@ -205,7 +220,7 @@ class Manifest:
             "format": "lazyckpt",
             # the oldest version that can express it, so older readers keep reading
             # checkpoints that use nothing newer
-            "format_version": 2 if any(t.placements for t in self.tensors) else 1,
+            "format_version": self.format_version(),
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,

@@ -22,16 +22,34 @@ torch.dtype         ``{"$dtype": "bfloat16"}``
 torch.device        ``{"$device": "cuda:0"}``
 torch.Size          ``{"$size": [...]}``
 numpy scalar        ``{"$np": ["float32", value]}``
+numpy array         ``{"$ndarray": ["<f4", [shape], payload]}``: payload ``{"$bytes": ...}``
+                    up to ``INLINE_ARRAY_BYTES``, a ``{"$tensor": i}`` shard above
+torch.Generator     ``{"$generator": ["cpu", {"$tensor": i}]}`` (its ``get_state()``)
+numpy Generator     ``{"$np_generator": <bit_generator.state, encoded>}``
+numpy RandomState   ``{"$np_random_state": <get_state(legacy=False), encoded>}``
+random.Random       ``{"$random": <getstate(), encoded>}``
+dataclass instance  ``{"$dataclass": ["module.Name", {"$dict": fields}]}`` (pickled instead
+                    with ``allow_pickle=True``, to come back as its own class)
 Stateful object     ``{"$stateful": <its state_dict, encoded>}``
 anything else       ``{"$pickle": "<base64>"}`` only with ``allow_pickle=True``
 ==================  ==========================================
+
+Restoring builds only the types above and never imports or calls anything named in the
+checkpoint: a dataclass comes back as a :class:`DataclassValue` (a dict of its fields, which
+``restore(into=...)`` writes into a live instance), numpy bit generators are rebuilt only
+from numpy's own list of them.
+
+numpy arrays are copied when ``snapshot()`` walks the state, not captured lazily: numpy
+writes bypass torch's version counter, so a later in-place write could not be detected.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import pickle
+import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,7 +63,17 @@ from ._errors import CorruptionError, UnsupportedStateError
 if TYPE_CHECKING:
     from ._dtensor import DistInfo
 
-__all__ = ["Stateful", "TensorRef", "decode_tree", "dtype_from_name", "dtype_name", "walk_state"]
+__all__ = [
+    "INLINE_ARRAY_BYTES",
+    "DataclassValue",
+    "Stateful",
+    "StatefulValue",
+    "TensorRef",
+    "decode_tree",
+    "dtype_from_name",
+    "dtype_name",
+    "walk_state",
+]
 
 JSON = Any  # a JSON-compatible value; kept loose because JSON is recursive
 
@@ -100,6 +128,16 @@ class TensorRef:
     alias_of: int | None = None
     dist: DistInfo | None = None
     dtensor: torch.Tensor | None = None
+
+
+# numpy arrays at most this big are stored in the manifest's JSON (np.random.get_state()'s
+# key is 2,496 bytes); bigger ones become a tensor of the snapshot, in the shards.
+INLINE_ARRAY_BYTES = 4096
+# numpy dtype kinds stored without pickle: bool, ints, floats, complex, timedelta,
+# datetime, bytes and unicode strings (all fixed-size, so the raw bytes are the array)
+_ARRAY_KINDS = "biufcmMSU"
+# the bit generators a numpy Generator can be rebuilt with, by the name its state carries
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
 
 
 def _escape(part: str) -> str:
@@ -244,6 +282,9 @@ class _Walker:
                 return {"$stateful": self.encode(obj.state_dict(), key)}
             finally:
                 self._replicated -= marker
+        found = self._encode_object(obj, key)
+        if found is not None:
+            return found
         if self.lenient:
             return None
         if self.allow_pickle:
@@ -254,10 +295,62 @@ class _Walker:
             return {"$pickle": base64.b64encode(data).decode("ascii")}
         raise UnsupportedStateError(
             f"value at {key!r} of type {type(obj).__qualname__} is not a tensor, a Stateful "
-            "object or a plain value (dict, list, tuple, str, int, float, bool, None, bytes). "
-            "Convert it, or pass allow_pickle=True to the Checkpointer on both save and "
-            "restore if you trust every reader of this checkpoint."
+            "object, a plain value (dict, list, tuple, str, int, float, bool, None, bytes) or "
+            "trainer state lazyckpt stores without pickle (numpy arrays, torch/numpy/random "
+            "generators, dataclasses: see docs/api.md). Convert it, or pass allow_pickle=True "
+            "to the Checkpointer on both save and restore if you trust every reader of this "
+            "checkpoint."
         )
+
+    def _encode_object(self, obj: Any, key: str) -> JSON:
+        """The trainer-state objects that have a tag of their own; None for any other."""
+        # with pickle allowed, a dataclass is pickled, so that it comes back as its own class
+        if (
+            not self.allow_pickle
+            and dataclasses.is_dataclass(obj)
+            and not isinstance(obj, type)
+        ):
+            cls = type(obj)
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            return {"$dataclass": [name, self.encode(fields, key)]}
+        if self.lenient:
+            # an into= target: arrays and generator states are restored into new objects and
+            # then loaded into the live ones, so none of them is a tensor to fill in place
+            return None
+        if type(obj) is np.ndarray:
+            return {"$ndarray": self._encode_array(obj, key)}
+        if isinstance(obj, torch.Generator):
+            state = obj.get_state()  # a new CPU tensor, whatever the generator's device
+            return {"$generator": [str(obj.device), {"$tensor": self._add_tensor(state, key)}]}
+        if isinstance(obj, np.random.Generator):
+            return {"$np_generator": self.encode(obj.bit_generator.state, key)}
+        if isinstance(obj, np.random.RandomState):
+            return {"$np_random_state": self.encode(obj.get_state(legacy=False), key)}
+        if type(obj) is random.Random:  # not SystemRandom: it has no state to save
+            return {"$random": self.encode(obj.getstate(), key)}
+        return None
+
+    def _encode_array(self, obj: np.ndarray[Any, Any], key: str) -> JSON:
+        dtype = obj.dtype
+        if dtype.hasobject or dtype.kind not in _ARRAY_KINDS or dtype.fields is not None:
+            raise UnsupportedStateError(
+                f"numpy array at {key!r} has dtype {dtype}; only arrays of bool, numbers, "
+                "datetimes and fixed-size strings can be stored without pickle. Convert it, "
+                "or pass allow_pickle=True on both save and restore."
+            )
+        shape = list(obj.shape)
+        if obj.nbytes <= INLINE_ARRAY_BYTES:
+            data = base64.b64encode(obj.tobytes(order="C")).decode("ascii")
+            return [dtype.str, shape, {"$bytes": data}]
+        # copied now: the copy is what the capture reads later, so no write to ``obj`` after
+        # snapshot() returns can reach the checkpoint
+        copy = np.array(obj, order="C", copy=True)
+        if dtype.isnative and dtype.kind in "biufc":
+            t = torch.from_numpy(copy)  # its own dtype and shape: export shows it as it is
+        else:  # no torch dtype (strings, datetimes, other byte order): the raw bytes
+            t = torch.from_numpy(copy.reshape(-1).view(np.uint8))
+        return [dtype.str, shape, {"$tensor": self._add_tensor(t, key)}]
 
     def _encode_container(self, obj: Any, key: str) -> JSON:
         if isinstance(obj, list):
@@ -343,14 +436,20 @@ def walk_state(
     return tree, walker.tensors
 
 
-def decode_tree(tree: JSON, tensors: list[Any], *, allow_pickle: bool) -> Any:
+def decode_tree(
+    tree: JSON, tensors: list[Any], *, allow_pickle: bool, plain: bool = False
+) -> Any:
     """Build the state back from its tree; ``tensors[i]`` replaces ``{"$tensor": i}``.
 
-    A ``$stateful`` node comes back as its decoded state dict. Pickled values are refused
-    unless ``allow_pickle`` is true. Any malformed node raises :class:`CorruptionError`.
+    A ``$stateful`` node comes back as its decoded state dict, a ``$dataclass`` as a
+    :class:`DataclassValue`. Pickled values are refused unless ``allow_pickle`` is true.
+    With ``plain``, no object is built that is not a builtin or a tensor: a generator comes
+    back as its state (a torch generator's state tensor, a numpy generator's state dict), and
+    an array stored in the shards as that tensor (``tensors[i]`` may then be any tensor of the
+    right size: no data is read). Any malformed node raises :class:`CorruptionError`.
     """
     try:
-        return _decode(tree, tensors, allow_pickle)
+        return _Decoder(tensors, allow_pickle, plain).decode(tree)
     except (CorruptionError, UnsupportedStateError):
         raise
     except Exception as exc:
@@ -362,28 +461,147 @@ class StatefulValue(dict[Any, Any]):
     ``load_state_dict``)."""
 
 
-def _decode(node: JSON, tensors: list[Any], allow_pickle: bool) -> Any:
-    if node is None or isinstance(node, bool | int | str | float):
-        return node
-    if isinstance(node, list):
-        return [_decode(v, tensors, allow_pickle) for v in node]
-    if not isinstance(node, dict) or len(node) != 1:
-        raise CorruptionError(f"malformed node in value tree: {node!r:.80}")
-    ((tag, value),) = node.items()
+class DataclassValue(dict[str, Any]):
+    """The decoded fields of a dataclass instance, by name. ``type_name`` is the class's
+    ``module.QualName`` as saved, for information: the class is never imported.
+    ``restore(into=...)`` sets these fields on the live instance."""
+
+    def __init__(self, fields: Mapping[str, Any], type_name: str) -> None:
+        super().__init__(fields)
+        self.type_name = type_name
+
+
+def _array(dtype_str: Any, shape: Any, data: Any) -> np.ndarray[Any, Any]:
+    if type(dtype_str) is not str or not isinstance(shape, list):
+        raise CorruptionError(f"bad numpy array node {[dtype_str, shape]!r:.80}")
+    dtype = np.dtype(dtype_str)
+    # checked again on the way in: bytes of an object array would be read as pointers
+    if dtype.hasobject or dtype.kind not in _ARRAY_KINDS or dtype.fields is not None:
+        raise CorruptionError(f"numpy dtype {dtype_str!r:.40} is not one lazyckpt stores")
+    if any(type(d) is not int or d < 0 for d in shape):
+        raise CorruptionError(f"bad numpy array shape {shape!r:.60}")
+    if isinstance(data, bytes):
+        raw = np.frombuffer(data, dtype=np.uint8).copy()  # writable, like the array saved
+    elif isinstance(data, torch.Tensor):
+        raw = data.detach().cpu().reshape(-1).view(torch.uint8).numpy()
+    else:
+        raise CorruptionError("a numpy array's data is neither bytes nor a tensor")
+    if raw.nbytes != math.prod(shape) * dtype.itemsize:
+        raise CorruptionError(
+            f"numpy array of {dtype_str} {shape} has {raw.nbytes} bytes of data"
+        )
+    return raw.view(dtype).reshape(shape)
+
+
+def _bit_generator(state: Any) -> Any:
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    if name not in _BIT_GENERATORS:
+        raise CorruptionError(f"unknown numpy bit generator {name!r:.40}")
+    bit_generator = getattr(np.random, name)()
+    bit_generator.state = state
+    return bit_generator
+
+
+class _Decoder:
+    def __init__(self, tensors: list[Any], allow_pickle: bool, plain: bool) -> None:
+        self.tensors = tensors
+        self.allow_pickle = allow_pickle
+        self.plain = plain
+
+    def decode(self, node: JSON) -> Any:
+        if node is None or isinstance(node, bool | int | str | float):
+            return node
+        if isinstance(node, list):
+            return [self.decode(v) for v in node]
+        if not isinstance(node, dict) or len(node) != 1:
+            raise CorruptionError(f"malformed node in value tree: {node!r:.80}")
+        ((tag, value),) = node.items()
+        handler = _OBJECT_TAGS.get(tag)
+        if handler is not None:
+            return handler(self, value)
+        return _decode_builtin(self, tag, value)
+
+    def ndarray(self, value: Any) -> Any:
+        dtype_str, shape, payload = value
+        data = self.decode(payload)
+        if data is None:  # a placeholder tensor: the caller only checks the tree
+            return None
+        if self.plain and isinstance(data, torch.Tensor):
+            return data
+        return _array(dtype_str, shape, data)
+
+    def generator(self, value: Any) -> Any:
+        device, payload = value
+        state = self.decode(payload)
+        if state is None:  # a placeholder tensor: the caller only checks the tree
+            return None
+        if not isinstance(state, torch.Tensor) or type(device) is not str:
+            raise CorruptionError(f"bad torch generator node {value!r:.80}")
+        if self.plain:
+            return state
+        try:
+            generator = torch.Generator(device=device)
+        except RuntimeError as exc:  # e.g. a CUDA generator restored where there is no GPU
+            raise UnsupportedStateError(
+                f"a torch.Generator saved on {device!r} cannot be rebuilt here ({exc}); "
+                "restore where that device exists"
+            ) from exc
+        generator.set_state(state.detach().cpu())
+        return generator
+
+    def np_generator(self, value: Any) -> Any:
+        state = self.decode(value)
+        return state if self.plain else np.random.Generator(_bit_generator(state))
+
+    def np_random_state(self, value: Any) -> Any:
+        state = self.decode(value)
+        if self.plain:
+            return state
+        random_state = np.random.RandomState(_bit_generator(state))
+        random_state.set_state(state)
+        return random_state
+
+    def random(self, value: Any) -> Any:
+        state = self.decode(value)
+        if self.plain:
+            return state
+        generator = random.Random()
+        generator.setstate(state)
+        return generator
+
+    def dataclass(self, value: Any) -> Any:
+        name, fields = value
+        decoded = self.decode(fields)
+        if type(name) is not str or not isinstance(decoded, dict):
+            raise CorruptionError(f"bad dataclass node {value!r:.80}")
+        return dict(decoded) if self.plain else DataclassValue(decoded, name)
+
+
+_OBJECT_TAGS: dict[str, Any] = {
+    "$ndarray": _Decoder.ndarray,
+    "$generator": _Decoder.generator,
+    "$np_generator": _Decoder.np_generator,
+    "$np_random_state": _Decoder.np_random_state,
+    "$random": _Decoder.random,
+    "$dataclass": _Decoder.dataclass,
+}
+
+
+def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
+    """The tags of plain values, containers and tensors."""
     if tag == "$dict":
-        return {
-            _hashable(_decode(k, tensors, allow_pickle)): _decode(v, tensors, allow_pickle)
-            for k, v in value
-        }
+        return {_hashable(dec.decode(k)): dec.decode(v) for k, v in value}
     if tag == "$tuple":
-        return tuple(_decode(v, tensors, allow_pickle) for v in value)
+        return tuple(dec.decode(v) for v in value)
     if tag == "$stateful":
-        inner = _decode(value, tensors, allow_pickle)
+        inner = dec.decode(value)
+        if dec.plain:
+            return inner
         return StatefulValue(inner) if isinstance(inner, dict) else inner
     if tag == "$tensor":
-        if type(value) is not int or not 0 <= value < len(tensors):
+        if type(value) is not int or not 0 <= value < len(dec.tensors):
             raise CorruptionError(f"tensor reference {value!r} out of range")
-        return tensors[value]
+        return dec.tensors[value]
     if tag == "$float":
         if value not in ("nan", "inf", "-inf"):
             raise CorruptionError(f"bad float tag {value!r}")
@@ -398,9 +616,9 @@ def _decode(node: JSON, tensors: list[Any], allow_pickle: bool) -> Any:
         return torch.Size(value)
     if tag == "$np":
         dtype, inner = value
-        return np.dtype(dtype).type(_decode(inner, tensors, allow_pickle))
+        return np.dtype(dtype).type(dec.decode(inner))
     if tag == "$pickle":
-        if not allow_pickle:
+        if not dec.allow_pickle:
             raise UnsupportedStateError(
                 "this checkpoint holds a pickled value; restoring it would run code from the "
                 "checkpoint. Pass allow_pickle=True if you trust its origin."

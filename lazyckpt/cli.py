@@ -504,6 +504,13 @@ def _build_nodes(node: JSON, name: str) -> _Node:
             return _Node(name, tensor=inner)
         if tag == "$stateful":
             return _build_nodes(inner, name)
+        # trainer state whose bytes are a tensor of the snapshot: shown as that tensor
+        if tag in ("$ndarray", "$generator") and isinstance(inner, list) and inner:
+            payload = inner[-1]
+            if isinstance(payload, dict) and type(payload.get("$tensor")) is int:
+                return _Node(name, tensor=payload["$tensor"])
+        if tag == "$dataclass" and isinstance(inner, list) and len(inner) == 2:
+            return _build_nodes(inner[1], name)
         if tag == "$tuple" and isinstance(inner, list):
             return _Node(name, [_build_nodes(v, str(i)) for i, v in enumerate(inner)])
         if tag == "$dict" and isinstance(inner, list):
@@ -682,6 +689,51 @@ def _selected(manifest: Manifest, select: str | None) -> dict[int, str]:
         elif meta.key.startswith(select + "/"):
             names[i] = meta.key[len(select) + 1 :]
     return names
+
+
+def _strip_part(part: str, prefixes: Sequence[str]) -> str:
+    for prefix in prefixes:
+        if part.startswith(prefix):
+            return part[len(prefix) :]
+    return part
+
+
+def _stripped_names(names: dict[int, str], prefixes: Sequence[str]) -> dict[int, str]:
+    """``names`` with each prefix taken off every path component that starts with it."""
+    if not prefixes:
+        return names
+    out: dict[int, str] = {}
+    seen: dict[str, str] = {}
+    for i, name in names.items():
+        new = "/".join(_strip_part(part, prefixes) for part in name.split("/"))
+        if new in seen:
+            raise CommandError(
+                f"--strip-prefix makes {seen[new]!r} and {name!r} the same name {new!r}",
+                EXIT_USAGE,
+            )
+        seen[new] = name
+        out[i] = new
+    return out
+
+
+def _stripped_state(state: Any, prefixes: Sequence[str], path: str = "") -> Any:
+    """The decoded state with each prefix taken off every string key that starts with it."""
+    if isinstance(state, dict) and prefixes:
+        out: dict[Any, Any] = {}
+        for k, v in state.items():
+            new = _strip_part(k, prefixes) if isinstance(k, str) else k
+            child = f"{path}/{k}" if path else str(k)
+            if new in out:
+                raise CommandError(
+                    f"--strip-prefix makes two keys under {path or '<root>'!r} the same "
+                    f"key {new!r}",
+                    EXIT_USAGE,
+                )
+            out[new] = _stripped_state(v, prefixes, child)
+        return out
+    if isinstance(state, list | tuple) and prefixes:
+        return type(state)(_stripped_state(v, prefixes, f"{path}/{i}") for i, v in enumerate(state))
+    return state
 
 
 def _stored(meta: TensorMeta, index: int) -> int:
@@ -903,6 +955,7 @@ async def _export_torch(
     tmp: Path,
     ui: Console,
     jobs: int,
+    strip: Sequence[str] = (),
 ) -> None:
     if not hasattr(torch.serialization, "skip_data"):
         raise CommandError(
@@ -920,9 +973,12 @@ async def _export_torch(
             tensors.append(tensors[meta.alias_of])  # one storage: torch.load keeps them tied
         else:
             tensors.append(torch.empty(meta.shape, dtype=meta.torch_dtype))
-    state = _plain(decode_tree(m.tree, tensors, allow_pickle=allow_pickle))
+    # plain: a generator's state or an array stored in the shards stays a tensor, so that its
+    # bytes stream into a storage record like any other tensor's
+    state = _plain(decode_tree(m.tree, tensors, allow_pickle=allow_pickle, plain=True))
     if select is not None:
         state = _subtree(state, select)
+    state = _stripped_state(state, strip)
     order = _pickle_order(state)
     index_of = {id(t): i for i, t in enumerate(tensors) if m.tensors[i].alias_of is None}
 
@@ -995,6 +1051,7 @@ async def _export(args: argparse.Namespace, ui: Console) -> int:
         names = _selected(m, args.select)
         if args.select is not None and not names:
             raise CommandError(f"no tensor under {args.select!r} in step {step}", EXIT_NOT_FOUND)
+        names = _stripped_names(names, args.strip_prefix)
         tmp = final.with_name(f".{final.name}.partial")
         try:
             if fmt == "safetensors":
@@ -1004,7 +1061,9 @@ async def _export(args: argparse.Namespace, ui: Console) -> int:
                 finally:
                     os.close(fd)
             else:
-                await _export_torch(loc, m, args.select, args.allow_pickle, tmp, ui, args.jobs)
+                await _export_torch(
+                    loc, m, args.select, args.allow_pickle, tmp, ui, args.jobs, args.strip_prefix
+                )
             await asyncio.to_thread(_fsync_replace, tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -1525,6 +1584,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="export only what is under KEY, with KEY/ taken off the names (e.g. --select "
         "model gives keys model.load_state_dict accepts)",
+    )
+    p.add_argument(
+        "--strip-prefix",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="take PREFIX off every key (every part of a key path) that starts with it; "
+        "repeatable. --strip-prefix _orig_mod. turns a torch.compile'd model's "
+        "model/_orig_mod.fc.weight into model/fc.weight (module. for DDP)",
     )
     p.add_argument(
         "--allow-pickle",

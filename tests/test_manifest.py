@@ -7,6 +7,7 @@ import json
 import string
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -99,3 +100,19 @@ def test_manifest_without_checksum_field_is_refused() -> None:
     del doc["checksum"]
     with pytest.raises(CorruptionError):
         Manifest.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("state", "version"),
+    [
+        ({"a": torch.zeros(2), "s": "{\"$ndarray\": 1}"}, 1),  # a string is never a tag
+        ({"a": torch.zeros(2), "rng": np.random.get_state()}, 3),
+        ({"g": torch.Generator()}, 3),
+    ],
+)
+def test_manifests_say_the_oldest_format_that_reads_them(state: dict[str, object], version: int) -> None:
+    tree, refs = walk_state(state, allow_pickle=False)
+    m = plan_layout(0, tree, refs, LayoutOptions())
+    doc = json.loads(m.to_json())
+    assert doc["format_version"] == version
+    assert Manifest.from_json(m.to_json()).tree == tree

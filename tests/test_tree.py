@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -10,9 +12,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from lazyckpt import CorruptionError, UnsupportedStateError
-from lazyckpt._tree import decode_tree, walk_state
+from lazyckpt._tree import INLINE_ARRAY_BYTES, decode_tree, walk_state
 
 scalars = (
     st.none()
@@ -141,3 +144,80 @@ def test_hostile_keys_are_refused(key: str) -> None:
 def test_slashes_inside_keys_stay_inside_one_component() -> None:
     _, refs = walk_state({"a/../../b": torch.zeros(1)}, allow_pickle=False)
     assert refs[0].key == "a%2F..%2F..%2Fb"
+
+
+# -- trainer state beside tensors ------------------------------------------------------------
+
+array_dtypes = st.sampled_from(
+    ["?", "u1", "i1", "<i2", ">i2", "<u4", "<i8", ">f8", "<f2", "<f4", "<c8", "<c16",
+     "<M8[ns]", "<m8[s]", "S3", "<U2", ">U1"]
+)
+
+
+@given(
+    dtype=array_dtypes,
+    shape=st.lists(st.integers(0, 6), max_size=3),
+    data=st.data(),
+    big=st.booleans(),
+)
+def test_numpy_arrays_round_trip_with_dtype_and_shape(
+    dtype: str, shape: list[int], data: st.DataObject, big: bool
+) -> None:
+    if big:  # past the inline limit: the array becomes a tensor of the snapshot
+        shape = [*shape, 1000]
+    array = data.draw(hnp.arrays(np.dtype(dtype), tuple(shape)))
+    tree, refs = walk_state({"a": array}, allow_pickle=False)
+    inline = array.nbytes <= INLINE_ARRAY_BYTES
+    assert len(refs) == (0 if inline else 1)
+    # the shards hold the tensor's bytes; restore reads them into a new tensor
+    stored = [r.tensor.clone() for r in refs]
+    back = decode_tree(json.loads(json.dumps(tree)), stored, allow_pickle=False)["a"]
+    assert type(back) is np.ndarray
+    assert back.dtype == array.dtype and back.shape == array.shape
+    assert back.tobytes() == array.tobytes()  # bit for bit, NaNs and NaTs included
+
+
+@dataclass
+class Fields:
+    a: int
+
+
+def test_plain_decoding_gives_builtins_and_tensors_only() -> None:
+    state: dict[str, Any] = {
+        "gen": torch.Generator().manual_seed(0),
+        "np_rng": np.random.default_rng(1),
+        "py": random.Random(2),
+        "big": np.zeros(10_000, dtype=np.float32),
+        "fields": Fields(1),
+    }
+    tree, refs = walk_state(state, allow_pickle=False)
+    back = decode_tree(tree, [r.tensor for r in refs], allow_pickle=False, plain=True)
+    assert torch.equal(back["gen"], state["gen"].get_state())
+    assert back["np_rng"] == state["np_rng"].bit_generator.state
+    assert back["py"] == state["py"].getstate()
+    assert isinstance(back["big"], torch.Tensor) and back["big"].dtype == torch.float32
+    assert type(back["fields"]) is dict and back["fields"] == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"$ndarray": ["|O", [1], {"$bytes": "AAAAAAAAAAA="}]},  # object arrays hold pointers
+        {"$ndarray": ["<f4,<i4", [1], {"$bytes": "AAAAAAAAAAA="}]},
+        {"$ndarray": ["<f4", [3], {"$bytes": "AAAA"}]},  # too few bytes for the shape
+        {"$ndarray": ["<f4", [-1], {"$bytes": ""}]},
+        {"$np_generator": {"$dict": [["bit_generator", "os.system"]]}},
+        {"$generator": ["cpu", 5]},
+        {"$dataclass": [1, {"$dict": []}]},
+    ],
+)
+def test_damaged_trainer_state_nodes_raise_corruption(tree: Any) -> None:
+    with pytest.raises(CorruptionError):
+        decode_tree(tree, [], allow_pickle=False)
+
+
+def test_lenient_walks_leave_arrays_and_generators_alone() -> None:
+    """An into= target's arrays and generators are loaded after the read, not filled."""
+    state = {"a": np.zeros(100_000), "g": torch.Generator(), "t": torch.zeros(2)}
+    _, refs = walk_state(state, allow_pickle=False, lenient=True)
+    assert [r.key for r in refs] == ["t"]
