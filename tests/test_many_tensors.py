@@ -1,6 +1,6 @@
-"""States of many tensors: the collector held off during snapshot()'s per-tensor burst, the
-manifest's bytes as older readers check them, FileTier reading a shard's pieces side by
-side, and a round trip of thousands of tiny tensors."""
+"""States of many tensors: the collector held off during the per-tensor bursts, the key
+cache sized past 65,536 keys, the manifest's checksum checked on the bytes as read, and
+restore(into=) handing back the very tensors it filled."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from lazyckpt import (
     Manifest,
     UnsupportedStateError,
     _checkpointer,
+    _tree,
 )
 from lazyckpt._gc import collector_paused
 from lazyckpt._manifest import plan_layout
@@ -69,6 +70,15 @@ def test_snapshot_walks_with_the_collector_off(
     assert seen == [False, False]
 
 
+def test_key_cache_holds_more_than_65536_keys() -> None:
+    n = 70_000
+    state = {f"expert{i}.w": torch.empty(0) for i in range(n)}
+    walk_state(state, allow_pickle=False)
+    walk_state(state, allow_pickle=False)
+    # every path of the second walk came from the cache: none was evicted by the first
+    assert sum(1 for (parent, k) in _tree._CHILD if parent == "" and k.startswith("expert")) >= n
+
+
 def _manifest() -> Manifest:
     tree, refs = walk_state({"a": torch.zeros(3, 5), "b": {"c": 1.5}}, allow_pickle=False)
     return plan_layout(3, tree, refs, LayoutOptions()).with_checksums([123])
@@ -92,6 +102,26 @@ def test_manifest_in_another_spelling_is_still_read() -> None:
     assert tampered != respelled
     with pytest.raises(CorruptionError, match="checksum"):
         Manifest.from_json(tampered)
+
+
+def test_restore_into_hands_back_the_same_tensors(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(50)])
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with lazyckpt.SyncCheckpointer([FileTier(tmp_path)]) as ckpt:
+        ckpt.snapshot({"model": model.state_dict(), "opt": {0: {"m": torch.ones(4)}}}, step=1).wait()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        target = {"model": model.state_dict(keep_vars=True), "opt": {0: {"m": torch.zeros(4)}}}
+        before = {k: id(v) for k, v in target["model"].items()}
+        m_before = target["opt"][0]["m"]
+        out = ckpt.restore(1, into=target)
+    assert out is target
+    assert {k: id(v) for k, v in target["model"].items()} == before
+    assert target["opt"][0]["m"] is m_before and torch.equal(m_before, torch.ones(4))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    assert all(p.requires_grad for p in model.parameters())
 
 
 def test_many_tiny_tensors_round_trip(tmp_path: Path) -> None:
