@@ -409,8 +409,9 @@ def _check_keys(into: Any, restored: Any, key: str) -> None:
     """Raise :class:`StateMismatchError` where ``into`` wants what ``restored`` lacks."""
     if isinstance(into, torch.nn.Module) and isinstance(restored, Mapping):
         want = list(into.state_dict().keys())
+        want_set = set(want)  # once, not per key
         missing = [k for k in want if k not in restored]
-        unexpected = [k for k in restored if k not in set(want)]
+        unexpected = [k for k in restored if k not in want_set]
         if missing or unexpected:
             raise _mismatch(key, f"module {type(into).__qualname__}", missing, unexpected)
     elif _stateful(into):
@@ -424,8 +425,9 @@ def _check_keys(into: Any, restored: Any, key: str) -> None:
             _check_keys(into[k], restored[k], _join(key, k))
     elif _is_dataclass_instance(into) and isinstance(restored, DataclassValue):
         names = [f.name for f in dataclasses.fields(into)]
+        names_set = set(names)
         missing = [n for n in names if n not in restored]
-        unexpected = [n for n in restored if n not in set(names)]
+        unexpected = [n for n in restored if n not in names_set]
         if missing or unexpected:
             raise _mismatch(key, f"dataclass {type(into).__qualname__}", missing, unexpected)
         for n in names:
@@ -582,8 +584,9 @@ def _align(node: JSON, into: Any, path: str, renames: dict[str, str] | None) -> 
                     renames[_child(path, old)] = _child(path, new)
                 items = [[mapping.get(k, k), v] for k, (_, v) in zip(have, items, strict=True)]
                 have = [mapping.get(k, k) for k in have]
-        missing = [k for k in want if k not in set(have)]
-        unexpected = [k for k in have if k not in set(want)]
+        have_set, want_set = set(have), set(want)  # once: per element they made this O(n²)
+        missing = [k for k in want if k not in have_set]
+        unexpected = [k for k in have if k not in want_set]
         if missing or (module and unexpected):
             what = f"module {type(into).__qualname__}" if module else "the mapping"
             raise _mismatch(path, what, missing, unexpected)
