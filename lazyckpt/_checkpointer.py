@@ -34,6 +34,7 @@ from ._errors import (
     SnapshotFailedError,
     SnapshotNotFoundError,
 )
+from ._gc import collector_paused
 from ._manifest import LayoutOptions, Manifest, plan_layout
 from ._restore import VerifyReport, committed_steps, restore_state, verify_step
 from ._tier import SupportsStaging, Tier
@@ -269,16 +270,17 @@ class _Core:
                 "the newer snapshots first (ckpt.delete(step))."
             )
         self.report_failures()
-        tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
-        # before anything can change them: copy what a forward pass may change (see
-        # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below
-        chosen = self.policy.choose(refs, self.owned_pointers())
-        if chosen:
-            copy_eager(refs, chosen)
-        if any(r.dist is not None for r in refs):
-            dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
-            assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
-        manifest = self._plan(step, tree, refs)
+        with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
+            tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
+            # before anything can change them: copy what a forward pass may change (see
+            # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below
+            chosen = self.policy.choose(refs, self.owned_pointers())
+            if chosen:
+                copy_eager(refs, chosen)
+            if any(r.dist is not None for r in refs):
+                dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
+                assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
+            manifest = self._plan(step, tree, refs)
         if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
             self.engine.skipped += 1
             warnings.warn(

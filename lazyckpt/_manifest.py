@@ -40,6 +40,7 @@ import crc32c
 import torch
 
 from ._errors import ConfigurationError, CorruptionError
+from ._gc import collector_paused
 from ._tree import JSON, TensorRef, dtype_from_name, dtype_name
 
 __all__ = [
@@ -243,15 +244,20 @@ class Manifest:
             "tree": self.tree,
         }
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False)
-        doc["checksum"] = crc32c.crc32c(body.encode())
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        checksum = crc32c.crc32c(body.encode())
+        # the document with "checksum" appended as its last key, without encoding it twice
+        return (body[:-1] + f',"checksum":{checksum}}}').encode()
 
     @classmethod
     def from_json(cls, data: bytes | str, *, source: str = "manifest") -> Manifest:
         """Decode and validate; any damage raises :class:`CorruptionError` naming ``source``."""
+        raw = data.encode() if isinstance(data, str) else data
         try:
-            doc = json.loads(data)
-            return _decode_manifest(doc)
+            # a large manifest parses into a few objects per tensor, none of them cyclic:
+            # the collector would only rescan the process (see _gc.py)
+            with collector_paused():
+                doc = json.loads(raw)
+                return _decode_manifest(doc, raw)
         except CorruptionError as exc:
             raise CorruptionError(f"{source}: {exc}") from exc
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
@@ -286,13 +292,24 @@ def _int(doc: Any, key: str, *, minimum: int = 0) -> int:
     return v
 
 
-def _decode_manifest(doc: Any) -> Manifest:
+def _raw_checksum_ok(raw: bytes, checksum: Any) -> bool:
+    """Whether ``raw`` is a body followed by ``,"checksum":N}`` whose crc32c is ``checksum``:
+    the form :meth:`Manifest.to_json` writes, checked on the bytes as read (no re-encoding)."""
+    cut = raw.rfind(b',"checksum":')
+    if cut <= 0 or type(checksum) is not int or not raw.rstrip().endswith(b"}"):
+        return False
+    return crc32c.crc32c(b"}", value=crc32c.crc32c(memoryview(raw)[:cut])) == checksum
+
+
+def _decode_manifest(doc: Any, raw: bytes | None = None) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != "lazyckpt":
         raise CorruptionError("not a lazyckpt manifest")
     checksum = doc.pop("checksum", None)
-    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-    if checksum != crc32c.crc32c(body):
-        raise CorruptionError("manifest checksum mismatch")
+    if raw is None or not _raw_checksum_ok(raw, checksum):
+        # another encoder's spelling of the same document: check it as encoded here
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        if checksum != crc32c.crc32c(body):
+            raise CorruptionError("manifest checksum mismatch")
     version = _int(doc, "format_version", minimum=1)
     if version > FORMAT_VERSION:
         raise CorruptionError(
@@ -317,7 +334,7 @@ def _decode_manifest(doc: Any) -> Manifest:
                 dtype=t["dtype"],
                 shape=shape,
                 mode=t["mode"],
-                shards=tuple(_int({"s": s}, "s") for s in t["shards"]),
+                shards=_indexes(t["shards"], "shards"),
                 chunk=_int(t, "chunk"),
                 offset=_int(t, "offset"),
                 alias_of=alias,
@@ -336,16 +353,10 @@ def _decode_manifest(doc: Any) -> Manifest:
             raise CorruptionError(f"bad shard kind {s['kind']!r:.20}")
         segments = []
         for g in s["segments"]:
-            tensor, offset, start, stop = g
-            seg = Segment(
-                tensor=_int({"v": tensor}, "v"),
-                offset=_int({"v": offset}, "v"),
-                start=_int({"v": start}, "v"),
-                stop=_int({"v": stop}, "v"),
-            )
-            if seg.tensor >= len(tensors) or seg.stop < seg.start:
+            tensor, offset, start, stop = _indexes(g, "segment")
+            if tensor >= len(tensors) or stop < start:
                 raise CorruptionError(f"bad segment {g!r:.60}")
-            segments.append(seg)
+            segments.append(Segment(tensor, offset, start, stop))
         shard = ShardMeta(
             index=i,
             offset=_int(s, "offset"),
@@ -376,11 +387,33 @@ def _decode_manifest(doc: Any) -> Manifest:
             t.writer is not None and (t.writer >= manifest.world_size or t.writer == manifest.rank)
         ):
             raise CorruptionError(f"tensor {t.key!r}: bad replica writer {t.writer!r}")
+    # bytes per unit of a segment's start:stop, per tensor (a pack segment holds the whole
+    # tensor): the same as Manifest.segment_nbytes, without its per-call lookups
+    units: dict[int, int] = {}
     for s in manifest.shards:
         for g in s.segments:
-            if g.offset + manifest.segment_nbytes(g) > s.length:
+            unit = units.get(g.tensor)
+            if unit is None:
+                meta = manifest.tensors[g.tensor]
+                unit = meta.itemsize
+                if meta.mode == "pack":
+                    unit = -meta.nbytes  # negative: the segment's size does not vary
+                elif meta.mode == "rows":
+                    unit *= math.prod(meta.shape[1:])
+                units[g.tensor] = unit
+            nbytes = -unit if unit < 0 else (g.stop - g.start) * unit
+            if g.offset + nbytes > s.length:
                 raise CorruptionError(f"shard {s.index}: a segment overruns the shard")
     return manifest
+
+
+def _indexes(values: Any, what: str) -> tuple[int, ...]:
+    """A JSON list of non-negative integers, as a tuple."""
+    found = tuple(values)
+    for v in found:
+        if type(v) is not int or v < 0:
+            raise CorruptionError(f"{what}: {v!r:.40} is not an integer >= 0")
+    return found
 
 
 def _decode_dist(t: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:

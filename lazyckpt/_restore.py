@@ -37,6 +37,7 @@ from ._errors import (
     StateMismatchError,
     TierError,
 )
+from ._gc import collector_paused
 from ._manifest import Manifest, ShardMeta, TensorMeta
 from ._state import RestoreEvent, RestoreState, advance_restore
 from ._tier import Tier
@@ -140,9 +141,13 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 def _empty(meta: TensorMeta) -> torch.Tensor:
+    dtype = meta.torch_dtype
+    if dtype is not torch.complex32:
+        return torch.empty(meta.shape, dtype=dtype)
+    # only here: entering catch_warnings costs more than the allocation of a small tensor
     with warnings.catch_warnings():  # torch calls complex32 "experimental"; it round-trips
         warnings.simplefilter("ignore", UserWarning)
-        return torch.empty(meta.shape, dtype=meta.torch_dtype)
+        return torch.empty(meta.shape, dtype=dtype)
 
 
 class _Destinations:
@@ -155,6 +160,9 @@ class _Destinations:
         self.device = torch.device(map_location) if map_location is not None else None
         targets: dict[str, torch.Tensor] = {}
         self.wrappers: dict[int, torch.Tensor] = {}  # tensor index -> DTensor target
+        # tensor index -> the into= tensor itself: returned as it is, so that apply_into
+        # finds the very object it holds and copies nothing
+        self.given: dict[int, torch.Tensor] = {}
         dtensors: dict[str, torch.Tensor] = {}
         if into is not None:
             _, refs = walk_state(into, allow_pickle=False, lenient=True)
@@ -178,6 +186,7 @@ class _Destinations:
             if meta.key in dtensors:  # its local chunk is filled; the state holds the DTensor
                 self.wrappers[len(self.final)] = dtensors[meta.key]
             if target is not None:
+                self.given[len(self.final)] = target
                 final = target.detach()
                 direct = final.device.type == "cpu" and final.is_contiguous()
                 staging = final if direct else _empty(meta)
@@ -198,9 +207,13 @@ class _Destinations:
             assert final is not None and staging is not None
             if final is not staging:
                 final.copy_(staging)
-            elif self.device is not None and self.device != final.device:
+            given = self.given.get(i)
+            if given is not None:  # filled in place (a DTensor target: through its chunk)
+                out.append(self.wrappers.get(i, given))
+                continue
+            if self.device is not None and self.device != final.device:
                 final = final.to(self.device)
-            out.append(self.wrappers.get(i, final))
+            out.append(final)
         return out
 
 
@@ -270,13 +283,19 @@ async def _restore_shard(
             f"({_keys(manifest, shard)}); tried {[t.name for t in sources]}"
         )
     if buffer is not None:
+        tensors, all_staging = manifest.tensors, dests.staging
         for seg in shard.segments:
-            meta = manifest.tensors[seg.tensor]
+            meta = tensors[seg.tensor]
+            staging = all_staging[seg.tensor]
+            assert staging is not None
+            if meta.mode == "pack":  # the usual case, thousands per shard: no slicing
+                staging.reshape(-1).view(torch.uint8).copy_(
+                    buffer[seg.offset : seg.offset + staging.nbytes]
+                )
+                continue
             nbytes = manifest.segment_nbytes(seg)
             piece = buffer[seg.offset : seg.offset + nbytes].view(meta.torch_dtype)
             piece = piece.view(manifest.segment_shape(seg))
-            staging = dests.staging[seg.tensor]
-            assert staging is not None
             _segment_target(staging, meta, seg.start, seg.stop).copy_(piece)
 
 
@@ -298,7 +317,8 @@ async def restore_state(
     if manifest.pickled and not allow_pickle:
         decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
     manifest = align_into(manifest, into)
-    dests = _Destinations(manifest, into, map_location)
+    with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
+        dests = _Destinations(manifest, into, map_location)
     problems: list[Exception] = []
     sem = asyncio.Semaphore(concurrency)
     shards: Sequence[ShardMeta] = manifest.shards
@@ -322,10 +342,11 @@ async def restore_state(
         while isinstance(first, ExceptionGroup):
             first = first.exceptions[0]
         raise first from None
-    tensors = dests.finish()
-    state = decode_tree(manifest.tree, tensors, allow_pickle=allow_pickle)
+    with collector_paused():
+        tensors = dests.finish()
+        state = decode_tree(manifest.tree, tensors, allow_pickle=allow_pickle)
     if into is not None:
-        apply_into(into, state)
+        apply_into(into, state)  # outside the pause: it runs the objects' load_state_dict
         return into
     return state
 
@@ -346,7 +367,15 @@ def apply_into(into: Any, restored: Any, key: str = "") -> None:
 
 
 def _stateful(obj: Any) -> bool:
+    """A Stateful object that is not a mapping (a module, an optimizer). Plain dicts and
+    tensors are answered at once: the Protocol's isinstance costs tens of µs, and a state
+    of 100,000 tensors asks once per container and per tensor."""
+    if type(obj) in _NEVER_STATEFUL or obj is None:
+        return False
     return isinstance(obj, Stateful) and not isinstance(obj, Mapping)
+
+
+_NEVER_STATEFUL = (dict, list, tuple, torch.Tensor, torch.nn.Parameter, str, int, float, bool)
 
 
 def _is_dataclass_instance(obj: Any) -> bool:
@@ -380,8 +409,9 @@ def _check_keys(into: Any, restored: Any, key: str) -> None:
     """Raise :class:`StateMismatchError` where ``into`` wants what ``restored`` lacks."""
     if isinstance(into, torch.nn.Module) and isinstance(restored, Mapping):
         want = list(into.state_dict().keys())
+        want_set = set(want)  # once, not per key
         missing = [k for k in want if k not in restored]
-        unexpected = [k for k in restored if k not in set(want)]
+        unexpected = [k for k in restored if k not in want_set]
         if missing or unexpected:
             raise _mismatch(key, f"module {type(into).__qualname__}", missing, unexpected)
     elif _stateful(into):
@@ -395,8 +425,9 @@ def _check_keys(into: Any, restored: Any, key: str) -> None:
             _check_keys(into[k], restored[k], _join(key, k))
     elif _is_dataclass_instance(into) and isinstance(restored, DataclassValue):
         names = [f.name for f in dataclasses.fields(into)]
+        names_set = set(names)
         missing = [n for n in names if n not in restored]
-        unexpected = [n for n in restored if n not in set(names)]
+        unexpected = [n for n in restored if n not in names_set]
         if missing or unexpected:
             raise _mismatch(key, f"dataclass {type(into).__qualname__}", missing, unexpected)
         for n in names:
@@ -553,8 +584,9 @@ def _align(node: JSON, into: Any, path: str, renames: dict[str, str] | None) -> 
                     renames[_child(path, old)] = _child(path, new)
                 items = [[mapping.get(k, k), v] for k, (_, v) in zip(have, items, strict=True)]
                 have = [mapping.get(k, k) for k in have]
-        missing = [k for k in want if k not in set(have)]
-        unexpected = [k for k in have if k not in set(want)]
+        have_set, want_set = set(have), set(want)  # once: per element they made this O(n²)
+        missing = [k for k in want if k not in have_set]
+        unexpected = [k for k in have if k not in want_set]
         if missing or (module and unexpected):
             what = f"module {type(into).__qualname__}" if module else "the mapping"
             raise _mismatch(path, what, missing, unexpected)

@@ -88,7 +88,11 @@ class FileTier(Tier):
     Args:
         root: the directory (created if missing, unless ``readonly``).
         name: the tier's name (default ``"file"``).
-        io_threads: threads writing and reading (bounded pool).
+        io_threads: threads writing (bounded pool); also the tier's other file operations.
+        read_threads: threads reading shards for a restore, in a pool of their own started
+            at the first read: the pieces of a shard are read side by side, since a
+            virtual disk or an NVMe drive serves several requests in flight faster than one
+            (measured: about 2x a sequential read on a 2-vCPU VM).
         piece_bytes: size of each ``pwrite``/``pread`` call.
         direct: write data files with ``O_DIRECT``, bypassing the page cache (buffers from
             the host arena are page-aligned; unaligned tails go through a bounce buffer).
@@ -111,6 +115,7 @@ class FileTier(Tier):
         *,
         name: str | None = None,
         io_threads: int = 2,
+        read_threads: int = 4,
         piece_bytes: int = 8 << 20,
         direct: bool | None = None,
         keep_last: int | None = None,
@@ -123,6 +128,8 @@ class FileTier(Tier):
             raise ConfigurationError(f"FileTier root must be a path, got {root!r}")
         if io_threads < 1:
             raise ConfigurationError(f"io_threads must be at least 1, got {io_threads}")
+        if read_threads < 1:
+            raise ConfigurationError(f"read_threads must be at least 1, got {read_threads}")
         if piece_bytes < ALIGN or piece_bytes % ALIGN:
             raise ConfigurationError(f"piece_bytes must be a positive multiple of {ALIGN}")
         if direct and not hasattr(os, "O_DIRECT"):
@@ -132,6 +139,8 @@ class FileTier(Tier):
         self.piece_bytes = piece_bytes
         self._io_threads = io_threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._read_threads = read_threads
+        self._read_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._writing: dict[int, tuple[int, bool]] = {}  # step -> (fd, opened O_DIRECT)
         self._lock: WriterLock | None = None
         self._closed = False
@@ -288,6 +297,8 @@ class FileTier(Tier):
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True)
         if self._lock is not None:
             self._lock.release()  # after the last write: the next writer may start now
             self._lock = None
@@ -514,32 +525,37 @@ class FileTier(Tier):
             raise CorruptionError(f"{path} holds rank {manifest.rank}'s manifest, not {rank}'s")
         return manifest
 
-    async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
-        await self._run(
-            f"read shard {shard.index} from {self._data_path(manifest)}",
-            self._read_sync,
-            manifest,
-            shard,
-            out,
-        )
+    def _reader(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._closed:
+            raise TierClosedError("closed", tier=self.name)
+        if self._read_pool is None:
+            self._read_pool = concurrent.futures.ThreadPoolExecutor(
+                self._read_threads, thread_name_prefix=f"lazyckpt-{self.name}-read"
+            )
+        return self._read_pool
 
-    def _read_sync(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+    async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
         path = self._data_path(manifest)
+        what = f"read shard {shard.index} from {path}"
+        pool = self._reader()
+        loop = asyncio.get_running_loop()
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CorruptionError(f"{path} is missing") from None
-        try:
-            done = 0
-            while done < shard.length:
-                n = os.preadv(fd, [out[done : done + self.piece_bytes]], shard.offset + done)
-                if n == 0:
-                    raise CorruptionError(
-                        f"{path} is truncated: shard {shard.index} ends past the file"
-                    )
-                done += n
-        finally:
-            os.close(fd)
+            fd = await loop.run_in_executor(pool, _open_for_reading, path)
+            starts = range(0, shard.length, self.piece_bytes)
+            futures = [
+                pool.submit(_read_piece, fd, path, shard, out, s, self.piece_bytes) for s in starts
+            ]
+            _close_after(fd, futures)  # not before every piece is done, cancelled or not
+            results = await asyncio.gather(
+                *(asyncio.wrap_future(f) for f in futures), return_exceptions=True
+            )
+        except OSError as exc:
+            raise translate_os_error(exc, self.name, what) from exc
+        for result in results:
+            if isinstance(result, OSError):
+                raise translate_os_error(result, self.name, what) from result
+            if isinstance(result, BaseException):
+                raise result
 
     async def delete(self, step: int) -> None:
         self._writable("delete a snapshot")
@@ -562,6 +578,46 @@ class FileTier(Tier):
             if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
                 raise
             log.warning("step %d: removing %s left files behind (%s)", step, d, exc)
+
+
+def _open_for_reading(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CorruptionError(f"{path} is missing") from None
+
+
+def _close_after(fd: int, futures: list[concurrent.futures.Future[None]]) -> None:
+    """Close ``fd`` once every future is done: a piece still reading when the restore is
+    cancelled would otherwise read from a closed (or, worse, reused) descriptor."""
+    if not futures:
+        os.close(fd)
+        return
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: object) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            os.close(fd)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+
+
+def _read_piece(
+    fd: int, path: Path, shard: ShardMeta, out: memoryview, start: int, piece: int
+) -> None:
+    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) into ``out``."""
+    stop = min(start + piece, shard.length)
+    done = start
+    while done < stop:
+        n = os.preadv(fd, [out[done:stop]], shard.offset + done)
+        if n == 0:
+            raise CorruptionError(f"{path} is truncated: shard {shard.index} ends past the file")
+        done += n
 
 
 def _marker_document() -> bytes:
