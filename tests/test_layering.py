@@ -47,7 +47,7 @@ def test_public_names_are_exported() -> None:
 # may import modules of its own layer or of a lower one, never of a higher one; imports
 # inside functions and under TYPE_CHECKING count like any other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "hooks", "_loop", "_progress"),
+    ("_errors", "hooks", "_loop", "_progress", "_gc"),
     ("_dist", "_tree", "_manifest", "_state", "_arena", "_metrics", "_distributed"),
     ("_tier",),
     ("_capture", "_cuda", "_restore", "_dtensor", "_engine"),
