@@ -75,7 +75,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import crc32c
 import torch
@@ -90,10 +90,8 @@ from ._errors import (
 )
 from ._manifest import Manifest, Segment, ShardMeta, TensorMeta
 from ._state import RestoreEvent, RestoreState, advance_restore
+from ._tier import SupportsBlockRead, Tier
 from ._tree import TensorRef
-
-if TYPE_CHECKING:
-    from ._tier import Tier
 
 __all__ = [
     "CudaCapture",
@@ -804,20 +802,6 @@ def stream_guard_hook(
 
 
 # -- restore --------------------------------------------------------------------------------
-
-
-@runtime_checkable
-class SupportsBlockRead(Protocol):
-    """A tier that lends the host block holding a shard instead of copying it out (the
-    host-memory tier): a rollback then goes from the pinned arena to the device directly."""
-
-    def borrow_shard(self, manifest: Manifest, shard: ShardMeta) -> Block | None:
-        """The block holding ``shard``, held for the caller; None if it is not here."""
-        ...
-
-    def return_shard(self, block: Block) -> None:
-        """Drop the hold :meth:`borrow_shard` took."""
-        ...
 
 
 def _segment_target(target: torch.Tensor, meta: TensorMeta, seg: Segment) -> torch.Tensor:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -64,7 +64,7 @@ from ._restore import (
     read_manifest,
     read_verified,
 )
-from ._tier import Tier
+from ._tier import SupportsRankManifests, Tier
 from ._tree import Stateful, TensorRef, decode_tree, walk_state
 
 __all__ = [
@@ -137,18 +137,6 @@ def assign_writers(refs: Sequence[TensorRef], rank: int, world_size: int, dedup:
                 info.coordinate,
                 writer=writer_of(ref.key, world_size),
             )
-
-
-@runtime_checkable
-class SupportsRankManifests(Protocol):
-    """A tier that can read any rank's part of a multi-rank step (one shared store).
-
-    ``read_rank_manifest(step, r)`` returns rank ``r``'s manifest; ``read_shard`` with it
-    reads rank ``r``'s data. Replicated tensors are written once only when every durable
-    tier has this, and resharding reads other ranks' chunks through it.
-    """
-
-    async def read_rank_manifest(self, step: int, rank: int) -> Manifest: ...
 
 
 # -- restore ------------------------------------------------------------------------------

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Retention",
+    "SupportsBlockRead",
     "SupportsGlobalCommit",
+    "SupportsRankManifests",
     "SupportsStaging",
     "Tier",
     "available_tiers",
@@ -211,6 +213,32 @@ class SupportsGlobalCommit(Protocol):
     """
 
     async def commit_global(self, step: int, world_size: int) -> None: ...
+
+
+@runtime_checkable
+class SupportsBlockRead(Protocol):
+    """A tier that lends the host block holding a shard instead of copying it out (the
+    host-memory tier): a rollback then goes from the pinned arena to the device directly."""
+
+    def borrow_shard(self, manifest: Manifest, shard: ShardMeta) -> Block | None:
+        """The block holding ``shard``, held for the caller; None if it is not here."""
+        ...
+
+    def return_shard(self, block: Block) -> None:
+        """Drop the hold :meth:`borrow_shard` took."""
+        ...
+
+
+@runtime_checkable
+class SupportsRankManifests(Protocol):
+    """A tier that can read any rank's part of a multi-rank step (one shared store).
+
+    ``read_rank_manifest(step, r)`` returns rank ``r``'s manifest; ``read_shard`` with it
+    reads rank ``r``'s data. Replicated tensors are written once only when every durable
+    tier has this, and resharding reads other ranks' chunks through it.
+    """
+
+    async def read_rank_manifest(self, step: int, rank: int) -> Manifest: ...
 
 
 def translate_os_error(exc: OSError, tier: str, what: str) -> TierError:

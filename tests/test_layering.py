@@ -49,7 +49,7 @@ def test_public_names_are_exported() -> None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc"),
     ("_dist", "_tree", "_manifest", "_state", "_arena", "_metrics", "_distributed"),
-    ("_tier",),
+    ("_tier", "tier"),
     ("_capture", "_cuda", "_restore", "_dtensor", "_engine"),
     ("", "_checkpointer", "timeline"),
     ("cli", "integrations", "testing"),
@@ -138,3 +138,21 @@ def test_no_import_cycles() -> None:
         if node not in state:
             visit(node)
 
+
+
+def test_the_plugin_interface_is_one_module() -> None:
+    # every capability protocol the package defines is offered by lazyckpt.tier, with the
+    # base class, the errors a tier raises and the registry: a tier author imports one thing
+    import lazyckpt.tier
+
+    defined = {
+        node.name
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name.startswith("Supports")
+    }
+    assert defined >= {"SupportsStaging", "SupportsGlobalCommit", "SupportsRankManifests", "SupportsBlockRead"}
+    needed = defined | {"Tier", "Retention", "translate_os_error", "load_tier", "TierBrokenError"}
+    assert needed <= set(lazyckpt.tier.__all__)
+    for name in lazyckpt.tier.__all__:
+        assert hasattr(lazyckpt.tier, name), name

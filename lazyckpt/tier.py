@@ -1,0 +1,80 @@
+"""Everything a tier author needs, from one import.
+
+A tier is a subclass of :class:`Tier` with a handful of coroutines (``begin``,
+``put_shard``, ``commit``, ``abort``, ``steps``, ``read_manifest``, ``read_shard``,
+``delete``). What a tier can do beyond that is said by the optional capability protocols,
+checked with ``isinstance``:
+
+- :class:`SupportsStaging`: the tier is the host arena the captures land in (the first
+  tier of a chain, as :class:`tiers.HostMemoryTier`).
+- :class:`SupportsGlobalCommit`: several ranks write one store; rank 0 commits the step
+  once every rank's part is durable (``commit_global``).
+- :class:`SupportsRankManifests`: any rank's part of a step can be read (resharding
+  restores, replicated tensors written once).
+- :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
+  copying it out (restores into device tensors straight from pinned memory).
+
+Backend errors are translated once, at the tier's boundary, into the errors below
+(:func:`translate_os_error` for ``OSError``), with the original as ``__cause__``. A tier
+registers under the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier` and
+:func:`available_tiers` find it. The conformance suite every tier should pass is
+``lazyckpt.testing.TierTests``. See docs/tiers.md.
+"""
+
+from __future__ import annotations
+
+from ._arena import Block, HostArena
+from ._errors import (
+    ConfigurationError,
+    CorruptionError,
+    ForeignLocationError,
+    LocationInUseError,
+    SnapshotNotFoundError,
+    TierBrokenError,
+    TierClosedError,
+    TierError,
+    TierFullError,
+)
+from ._manifest import Manifest, Segment, ShardMeta, TensorMeta
+from ._state import TierLevel
+from ._tier import (
+    ENTRY_POINT_GROUP,
+    Retention,
+    SupportsBlockRead,
+    SupportsGlobalCommit,
+    SupportsRankManifests,
+    SupportsStaging,
+    Tier,
+    available_tiers,
+    load_tier,
+    translate_os_error,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Block",
+    "ConfigurationError",
+    "CorruptionError",
+    "ForeignLocationError",
+    "HostArena",
+    "LocationInUseError",
+    "Manifest",
+    "Retention",
+    "Segment",
+    "ShardMeta",
+    "SnapshotNotFoundError",
+    "SupportsBlockRead",
+    "SupportsGlobalCommit",
+    "SupportsRankManifests",
+    "SupportsStaging",
+    "TensorMeta",
+    "Tier",
+    "TierBrokenError",
+    "TierClosedError",
+    "TierError",
+    "TierFullError",
+    "TierLevel",
+    "available_tiers",
+    "load_tier",
+    "translate_os_error",
+]
