@@ -198,15 +198,16 @@ async def test_a_full_arena_waits_or_skips_at_once(tmp_path: Path, mode: Any) ->
                     second = await ckpt.snapshot(state(2), step=2)
                 assert second.skipped
             else:
-                second = await ckpt.snapshot(state(2), step=2)
-                waiting = asyncio.ensure_future(second.captured())
-                done, _ = await asyncio.wait({waiting}, timeout=0.3)
-                assert not done and second.state() == "capturing"  # backpressure
+                # backpressure: `await snapshot()` itself waits (cooperatively) for room
+                asking = asyncio.ensure_future(ckpt.snapshot(state(2), step=2))
+                done, _ = await asyncio.wait({asking}, timeout=0.3)
+                assert not done
         finally:
             faulty.heal()
         await first.committed()
         if mode == "wait":
-            await waiting
+            second = await asking
+            await second.captured()
             await second.committed()
     assert await listed(FileTier(tmp_path / "f")) == ([1] if mode == "skip" else [1, 2])
 
