@@ -43,6 +43,7 @@ from ._metrics import (
     export_prometheus,
     install_log_context,
 )
+from ._preemption import DrainReport
 from ._restore import VerifyReport
 from ._state import ShardState, TierLevel
 from ._tier import (
@@ -69,6 +70,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptionError",
     "DeadlineExceededError",
+    "DrainReport",
     "ForeignLocationError",
     "HostArena",
     "ImmutabilityViolationError",

@@ -7,6 +7,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import signal
 import threading
 import time
 import warnings
@@ -35,6 +36,7 @@ from ._errors import (
     SnapshotNotFoundError,
 )
 from ._manifest import LayoutOptions, Manifest, plan_layout
+from ._preemption import DrainReport, PreemptionHandler, check_signals
 from ._restore import VerifyReport, committed_steps, restore_state, verify_step
 from ._tier import SupportsStaging, Tier
 from ._tree import TensorRef, walk_state
@@ -180,6 +182,8 @@ class _Core:
         lazy: Sequence[str],
         verify_sources: bool,
         exit_timeout: float,
+        preemption_signals: Any,
+        preemption_grace: float,
     ) -> None:
         if on_failure not in ("warn", "raise"):
             raise ConfigurationError(f"on_failure must be 'warn' or 'raise', got {on_failure!r}")
@@ -187,6 +191,9 @@ class _Core:
             raise ConfigurationError(f"verify_sources must be True or False, got {verify_sources!r}")
         if not exit_timeout >= 0:
             raise ConfigurationError(f"exit_timeout must be seconds >= 0, got {exit_timeout!r}")
+        signals, self.preemption_grace = check_signals(preemption_signals, preemption_grace)
+        self.preemption = PreemptionHandler(signals, self._on_preemption)
+        self.preempted: int | None = None  # the signal that stopped snapshots
         self.policy = EagerPolicy(eager_bytes, eager, lazy)
         self.on_failure = on_failure
         self.verify_sources = verify_sources
@@ -268,6 +275,17 @@ class _Core:
                 "steps must increase. After a rollback, start a new directory or delete "
                 "the newer snapshots first (ckpt.delete(step))."
             )
+        if self.preempted is not None:
+            # draining for a preemption: a new snapshot could not become durable in time
+            # and would only delay the exit; the trainer may still run a few steps
+            self.engine.skipped += 1
+            warnings.warn(
+                f"snapshot of step {step} skipped: the job is being preempted (signal "
+                f"{self.preempted}); the snapshots taken before it were drained",
+                SnapshotSkippedWarning,
+                stacklevel=stacklevel,
+            )
+            return SnapshotHandle(self.engine, None, step)
         self.report_failures()
         tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
         # before anything can change them: copy what a forward pass may change (see
@@ -557,6 +575,72 @@ class _Core:
     async def close_on_engine(self) -> None:
         await self.engine.close()
 
+    async def drain_on_engine(self, timeout: float | None) -> DrainReport:  # noqa: ASYNC109
+        """Wait (engine loop) until every snapshot in flight is done, for at most
+        ``timeout`` seconds, and report what reached where; see :meth:`Checkpointer.drain`."""
+        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+            raise ConfigurationError(f"timeout must be seconds >= 0 or None, got {timeout!r}")
+        engine = self.engine
+        t0 = time.perf_counter()
+        watched = dict(engine.flights)
+        timed_out = False
+        try:
+            # the engine moves every shard down the chain in order, so waiting is all a
+            # drain does: the fastest durable tier has each shard first
+            await asyncio.wait_for(engine.drain(), timeout)
+        except TimeoutError:
+            timed_out = True
+        watched.update(engine.flights)  # submitted meanwhile (from another thread)
+        names = [n for n in engine.stage_names if not n.startswith("<")]
+        reached: dict[int, tuple[str, ...]] = {}
+        failed: dict[int, tuple[str, ...]] = {}
+        pending: dict[int, tuple[str, ...]] = {}
+        for step, flight in sorted(watched.items()):
+            futures = [(n, flight.reached[n]) for n in names]
+            got = tuple(n for n, f in futures if f.done() and f.exception() is None)
+            bad = tuple(n for n, f in futures if f.done() and f.exception() is not None)
+            left = tuple(n for n, f in futures if not f.done())
+            reached[step] = got
+            if bad:
+                failed[step] = bad
+            if left:
+                pending[step] = left
+        durable: dict[str, int | None] = {}
+        for tier in engine.durable:
+            steps = [s.step for s in engine.history if tier.name in s.reached_s]
+            steps += [step for step, got in reached.items() if tier.name in got]
+            durable[tier.name] = max(steps, default=None)
+        return DrainReport(
+            reached=reached,
+            failed=failed,
+            pending=pending,
+            durable=durable,
+            timed_out=timed_out,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _on_preemption(self, signum: int) -> None:
+        """The preemption handler's work (main thread): stop snapshots, drain within the
+        grace period, log which step is durable where."""
+        first = self.preempted is None
+        self.preempted = signum
+        name = _signal_name(signum)
+        if self.engine.closed or not self.engine.opened:
+            return
+        log.warning(
+            "lazyckpt: %s received: no new snapshots; draining %d in flight for up to %.0f s",
+            name, len(self.engine.flights), self.preemption_grace,
+        )
+        future = self.engine.loop.submit(self.drain_on_engine(self.preemption_grace))
+        try:
+            # a little beyond the grace: the drain itself stops waiting at the grace
+            report = future.result(self.preemption_grace + 1.0)
+        except concurrent.futures.TimeoutError:
+            log.warning("lazyckpt: %s: the drain did not answer within the grace period", name)
+            return
+        level = logging.WARNING if not report.complete else logging.INFO
+        log.log(level, "lazyckpt: drained on %s%s: %s", name, "" if first else " (again)", report.summary())
+
     def _register_exit(self) -> None:
         """Close at interpreter exit a Checkpointer its owner never closed (the trainer
         raised before ``aclose()``): drain for up to ``exit_timeout`` seconds, then abandon
@@ -613,6 +697,7 @@ class _Core:
             )
 
     def finish_close(self) -> None:
+        self.preemption.uninstall()
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)  # threading's hook is a no-op once closed
             self._at_exit = None
@@ -629,6 +714,13 @@ class _Core:
             raise SnapshotFailedError(
                 f"{len(errors)} snapshots failed", errors, step=-1, tiers=self.engine.stage_names
             )
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _tags(tree: Any) -> set[str]:
@@ -749,6 +841,8 @@ _DEFAULTS: dict[str, Any] = {
     "lazy": (),
     "verify_sources": False,
     "exit_timeout": 10.0,
+    "preemption_signals": (),
+    "preemption_grace": 25.0,
 }
 
 
@@ -818,6 +912,17 @@ class Checkpointer:
         exit_timeout: a Checkpointer never closed (the trainer raised) is closed at
             interpreter exit: its pending snapshots get this many seconds to drain
             (default 10), then are abandoned with one warning.
+        preemption_signals: signals announcing a preemption (e.g. ``(signal.SIGTERM,)``;
+            SIGUSR1 and the like, as schedulers send them). On one of them the handler
+            installed at ``open()`` (main thread only) stops taking snapshots (later
+            ``snapshot()`` calls return a skipped handle, with a
+            :class:`SnapshotSkippedWarning`), drains for at most ``preemption_grace``
+            seconds, logs which step is durable on which tier, and then lets the signal
+            take its usual course: the handler installed before it runs, or the default
+            action (SIGTERM ends the process). Closing restores the previous handler.
+            Default: none. See ``docs/guarantees.md`` ("Preemption").
+        preemption_grace: seconds the preemption handler drains at most (default 25: most
+            schedulers kill 30 s after the notice).
         distributed: coordinate commits with the other ranks over torch.distributed
             (``None``: when it is initialized with more than one rank). Then every rank
             must open the Checkpointer, snapshot the same steps in the same order, and
@@ -839,7 +944,12 @@ class Checkpointer:
         with self._core._open_lock:
             if self._core.engine.opened:
                 return self
-        await self._call(self._core.open_on_engine())
+        self._core.preemption.install()  # first: it refuses outside the main thread
+        try:
+            await self._call(self._core.open_on_engine())
+        except BaseException:
+            self._core.preemption.uninstall()
+            raise
         return self
 
     async def __aenter__(self) -> Checkpointer:
@@ -950,6 +1060,24 @@ class Checkpointer:
         self._core.check_open()
         return await self._call(self._core.verify_on_engine(step))
 
+    async def drain(self, timeout: float | None = None) -> DrainReport:  # noqa: ASYNC109 (the drain runs on the engine loop, which is what the timeout bounds)
+        """Make every snapshot taken so far durable on the chain's tiers and say what
+        reached where.
+
+        Waits until each snapshot in flight is committed on every tier (each shard moves
+        down the chain in order, so the fastest durable tier has it first) or failed, for
+        at most ``timeout`` seconds (``None``: no limit). Snapshots may still be taken
+        meanwhile; those submitted before the drain ends are waited for too. Raises no
+        snapshot's failure: the report lists it (and the failure policy still applies).
+        Cancelling it only stops the waiting.
+
+        Returns:
+            A :class:`DrainReport`: per step the tiers reached, failed and still pending,
+            and per durable tier the newest step committed there.
+        """
+        self._core.check_open()
+        return await self._call(self._core.drain_on_engine(timeout))
+
     def metrics(self) -> dict[str, Any]:
         """Bytes and throughput per tier, shards in flight, arena use, recent timings."""
         return self._core.engine.metrics()
@@ -991,7 +1119,12 @@ class SyncCheckpointer:
     def open(self) -> SyncCheckpointer:
         """See :meth:`Checkpointer.open`."""
         if not self._core.engine.opened:
-            self._call(self._core.open_on_engine)
+            self._core.preemption.install()  # first: it refuses outside the main thread
+            try:
+                self._call(self._core.open_on_engine)
+            except BaseException:
+                self._core.preemption.uninstall()
+                raise
         return self
 
     def __enter__(self) -> SyncCheckpointer:
@@ -1040,6 +1173,11 @@ class SyncCheckpointer:
         """See :meth:`Checkpointer.verify`."""
         self._core.check_open()
         return self._call(lambda: self._core.verify_on_engine(step))
+
+    def drain(self, timeout: float | None = None) -> DrainReport:
+        """See :meth:`Checkpointer.drain`."""
+        self._core.check_open()
+        return self._call(lambda: self._core.drain_on_engine(timeout))
 
     def metrics(self) -> dict[str, Any]:
         """See :meth:`Checkpointer.metrics`."""

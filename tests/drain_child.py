@@ -1,0 +1,61 @@
+"""A training-like process for the preemption tests.
+
+``python drain_child.py ROOT MODE`` snapshots step 1 (and waits until it is durable), then
+snapshots step 2 and waits only until it is captured (as the guard does), prints
+``captured`` and waits for SIGTERM from the parent. The durable tier is slow (every call
+0.15 s), so step 2 is still on its way when the signal comes. MODE ``default`` leaves
+SIGTERM's default action; ``previous`` installs a Python handler first, which the
+Checkpointer's handler must chain to (it prints and exits with code 3). The state of a
+step is :func:`state_of` (a pure function of it), for the parent to compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lazyckpt
+from lazyckpt.testing import FaultyTier
+from tiers import FileTier, HostMemoryTier
+
+
+def state_of(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g)},
+        "optim": {"exp_avg": torch.randn(512, 256, generator=g), "step": step},
+        "step": step,
+    }
+
+
+def main(root: Path, mode: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if mode == "previous":
+
+        def previous(signum: int, _frame: object) -> None:
+            print(f"previous handler ran for {signal.Signals(signum).name}", flush=True)
+            sys.exit(3)
+
+        signal.signal(signal.SIGTERM, previous)
+    slow = FaultyTier(FileTier(root), name="file")
+    slow.delay_s = 0.15
+    chain = [HostMemoryTier(8 << 20), slow]
+    with lazyckpt.SyncCheckpointer(
+        chain, shard_size=1 << 16, preemption_signals=(signal.SIGTERM,), preemption_grace=30
+    ) as ckpt:
+        ckpt.snapshot(state_of(1), step=1).wait("committed")
+        ckpt.snapshot(state_of(2), step=2)
+        ckpt.wait_captured()
+        print("captured", flush=True)
+        time.sleep(60)  # training would go on here; the signal ends it
+        print("not preempted", flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
