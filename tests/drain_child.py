@@ -7,11 +7,17 @@ snapshots step 2 and waits only until it is captured (as the guard does), prints
 SIGTERM's default action; ``previous`` installs a Python handler first, which the
 Checkpointer's handler must chain to (it prints and exits with code 3). The state of a
 step is :func:`state_of` (a pure function of it), for the parent to compare bit for bit.
+
+With RANK and WORLD_SIZE in the environment (as torchrun sets them) it is one rank of
+several (gloo on loopback); MODE ``restore`` then restores the latest step on every rank
+and prints whether it is bit for bit the state of that step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,8 +31,17 @@ from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 
-def state_of(step: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
+class SlowFileTier(FileTier):
+    """A FileTier whose every shard write takes 0.15 s more (a busy parallel file system);
+    unlike a FaultyTier it keeps FileTier's commit across ranks."""
+
+    async def put_shard(self, manifest: Any, shard: Any, data: memoryview) -> None:
+        await asyncio.sleep(0.15)
+        await super().put_shard(manifest, shard, data)
+
+
+def state_of(step: int, rank: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step + 1000 * rank)
     return {
         "model": {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g)},
         "optim": {"exp_avg": torch.randn(512, 256, generator=g), "step": step},
@@ -34,8 +49,27 @@ def state_of(step: int) -> dict[str, Any]:
     }
 
 
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
 def main(root: Path, mode: str) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    rank = int(os.environ.get("RANK", "0"))
+    if "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method="env://")
+        if mode == "restore":
+            with lazyckpt.SyncCheckpointer([FileTier(root)]) as ckpt:
+                restored = ckpt.restore()
+                print(f"restored step {restored['step']}", same(restored, state_of(restored["step"], rank)), flush=True)
+            dist.destroy_process_group()
+            return
     if mode == "previous":
 
         def previous(signum: int, _frame: object) -> None:
@@ -43,14 +77,18 @@ def main(root: Path, mode: str) -> None:
             sys.exit(3)
 
         signal.signal(signal.SIGTERM, previous)
-    slow = FaultyTier(FileTier(root), name="file")
-    slow.delay_s = 0.15
+    slow: lazyckpt.Tier
+    if "WORLD_SIZE" in os.environ:
+        slow = SlowFileTier(root, name="file")
+    else:
+        slow = FaultyTier(FileTier(root), name="file")
+        slow.delay_s = 0.15
     chain = [HostMemoryTier(8 << 20), slow]
     with lazyckpt.SyncCheckpointer(
         chain, shard_size=1 << 16, preemption_signals=(signal.SIGTERM,), preemption_grace=30
     ) as ckpt:
-        ckpt.snapshot(state_of(1), step=1).wait("committed")
-        ckpt.snapshot(state_of(2), step=2)
+        ckpt.snapshot(state_of(1, rank), step=1).wait("committed")
+        ckpt.snapshot(state_of(2, rank), step=2)
         ckpt.wait_captured()
         print("captured", flush=True)
         time.sleep(60)  # training would go on here; the signal ends it

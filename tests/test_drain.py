@@ -21,6 +21,7 @@ from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from drain_child import state_of
+from ranks import free_port
 
 CHILD = Path(__file__).parent / "drain_child.py"
 
@@ -144,21 +145,39 @@ def test_preemption_options_are_checked(tmp_path: Path) -> None:
         ckpt._core.engine.loop.stop()
 
 
-def run_child(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = subprocess.Popen(
+def start(root: Path, mode: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, str(CHILD), str(root), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env},
     )
-    assert child.stdout is not None
-    line = child.stdout.readline()
-    assert line == "captured\n", line + child.communicate(timeout=60)[1]
-    child.send_signal(signal.SIGTERM)  # right after step 2's capture: it is not durable yet
-    out, err = child.communicate(timeout=60)
-    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+
+
+def preempt(children: list[subprocess.Popen[str]]) -> list[subprocess.CompletedProcess[str]]:
+    """Wait until every child captured step 2, SIGTERM them all, collect their ends."""
+    try:
+        for child in children:
+            assert child.stdout is not None
+            line = child.stdout.readline()
+            assert line == "captured\n", line + child.communicate(timeout=60)[1]
+        for child in children:  # right after step 2's capture: it is not durable yet
+            child.send_signal(signal.SIGTERM)
+        ends = []
+        for child in children:
+            out, err = child.communicate(timeout=60)
+            ends.append(subprocess.CompletedProcess(child.args, child.returncode, out, err))
+        return ends
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def run_child(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    return preempt([start(root, mode)])[0]
 
 
 def restore_from_file(root: Path, step: int) -> Any:
@@ -182,3 +201,23 @@ def test_sigterm_chains_to_the_trainers_own_handler(tmp_path: Path) -> None:
     assert done.returncode == 3, done.stderr[-3000:]
     assert "previous handler ran for SIGTERM" in done.stdout
     assert same(restore_from_file(tmp_path, 2), state_of(2))
+
+
+@pytest.mark.slow
+def test_sigterm_on_every_rank_keeps_the_commit_coordinated(tmp_path: Path) -> None:
+    # as under torchrun: every rank gets the signal; each drains, the ranks still agree on
+    # step 2's commit, then each ends by SIGTERM
+    world = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+    world["MASTER_PORT"] = str(free_port())
+    ends = preempt([start(tmp_path, "default", RANK=str(r), **world) for r in range(2)])
+    for end in ends:
+        assert end.returncode == -signal.SIGTERM, end.stderr[-3000:]
+        assert "file: step 2" in end.stderr
+    record = tmp_path / "step-000000000002" / "manifest.json"
+    assert record.exists()  # the shared commit record: every rank's part is down
+    world["MASTER_PORT"] = str(free_port())
+    restores = [start(tmp_path, "restore", RANK=str(r), **world) for r in range(2)]
+    for child in restores:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err[-3000:]
+        assert out == "restored step 2 True\n"
