@@ -221,3 +221,16 @@ def test_sigterm_on_every_rank_keeps_the_commit_coordinated(tmp_path: Path) -> N
         out, err = child.communicate(timeout=120)
         assert child.returncode == 0, err[-3000:]
         assert out == "restored step 2 True\n"
+
+
+@pytest.mark.slow
+def test_preemption_example() -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "preemption.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300,
+        cwd=example.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "trainer ended by SIGTERM" in out.stdout
+    assert "bit for bit the replayed training" in out.stdout
+    assert "drained on SIGTERM" in out.stderr
