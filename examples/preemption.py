@@ -91,7 +91,7 @@ def main() -> None:
         replay, replay_optim = make_model()
         for s in range(1, step + 1):
             train_step(replay, replay_optim, s)
-        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), replay.parameters()))
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), replay.parameters(), strict=True))
         print(f"resumed from step {step} (at least 5): "
               f"{'bit for bit' if same and step >= 5 else 'MISMATCH'} the replayed training")
         if not same or step < 5:
