@@ -38,7 +38,7 @@ def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) 
     g = torch.Generator().manual_seed(step)  # the data of a step is a function of the step
     x, y = torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)
     optim.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.autograd.backward(torch.nn.functional.mse_loss(model(x), y))
     optim.step()
 
 
