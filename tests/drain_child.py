@@ -8,6 +8,10 @@ SIGTERM's default action; ``previous`` installs a Python handler first, which th
 Checkpointer's handler must chain to (it prints and exits with code 3). The state of a
 step is :func:`state_of` (a pure function of it), for the parent to compare bit for bit.
 
+MODE ``crash`` snapshots steps 1 to 3 through host memory, a node-local FileTier
+(ROOT/local) and a ZarrTier standing for the parallel file system (ROOT/pfs), waits until
+each is committed everywhere, then dies by SIGKILL (a crash: nothing is closed).
+
 With RANK and WORLD_SIZE in the environment (as torchrun sets them) it is one rank of
 several (gloo on loopback); MODE ``restore`` then restores the latest step on every rank
 and prints whether it is bit for bit the state of that step.
@@ -28,7 +32,7 @@ import torch
 
 import lazyckpt
 from lazyckpt.testing import FaultyTier
-from tiers import FileTier, HostMemoryTier
+from tiers import FileTier, HostMemoryTier, ZarrTier
 
 
 class SlowFileTier(FileTier):
@@ -70,6 +74,13 @@ def main(root: Path, mode: str) -> None:
                 print(f"restored step {restored['step']}", same(restored, state_of(restored["step"], rank)), flush=True)
             dist.destroy_process_group()
             return
+    if mode == "crash":
+        chain = [HostMemoryTier(8 << 20), FileTier(root / "local", name="local"), ZarrTier(root / "pfs", name="pfs")]
+        ckpt = lazyckpt.SyncCheckpointer(chain, shard_size=1 << 16).open()
+        for step in (1, 2, 3):
+            ckpt.snapshot(state_of(step), step=step).wait("committed")
+        print("committed", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "previous":
 
         def previous(signum: int, _frame: object) -> None:
