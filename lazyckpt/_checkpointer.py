@@ -12,7 +12,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
@@ -37,7 +37,7 @@ from ._errors import (
 )
 from ._manifest import LayoutOptions, Manifest, plan_layout
 from ._preemption import DrainReport, PreemptionHandler, check_signals
-from ._restore import VerifyReport, committed_steps, restore_state, verify_step
+from ._restore import VerifyReport, committed_steps, restore_lazily, restore_state, verify_step
 from ._tier import SupportsStaging, Tier
 from ._tree import TensorRef, walk_state
 
@@ -233,6 +233,10 @@ class _Core:
         self._plan_cache: tuple[tuple[Any, ...], Manifest] | None = None
         self._at_exit: Callable[[], None] | None = None
         self._owned_cache: tuple[tuple[Any, ...], set[int]] | None = None
+        # lazy restores: per guarded optimizer (by id) the future of its state's restore,
+        # and the engine-side tasks still loading (close and the next restore wait for them)
+        self._restoring: dict[int, concurrent.futures.Future[None]] = {}
+        self._lazy_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def cuda(self) -> CudaCapture | None:
@@ -287,6 +291,7 @@ class _Core:
             )
             return SnapshotHandle(self.engine, None, step)
         self.report_failures()
+        self.wait_restored_blocking()  # a snapshot must not see half-loaded optimizer state
         tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
         # before anything can change them: copy what a forward pass may change (see
         # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below
@@ -432,6 +437,11 @@ class _Core:
             )
 
         def wait() -> None:
+            # a lazy restore still loading this optimizer's state holds its step; a failed
+            # one raises: stepping on state that was not restored would corrupt training
+            restoring = self._restoring.get(id(opt))
+            if restoring is not None:
+                restoring.result()
             # never raises into the optimizer step: a failed snapshot must not cost a
             # training step; failures go to the handle, the log, metrics and the policy
             if self._closing:
@@ -456,11 +466,50 @@ class _Core:
         self._guards.append((opt, handle))
         return handle
 
+    def lazy_targets(self, into: Any) -> dict[Any, torch.optim.Optimizer]:
+        """The top-level entries of ``into`` that a lazy restore defers: the optimizers
+        (or their wrappers) that ``guard()`` watches, by key."""
+        if not isinstance(into, Mapping):
+            raise ConfigurationError(
+                "restore(lazy=True) needs into= a mapping whose entries include the guarded "
+                f"optimizers, got {type(into).__qualname__}"
+            )
+        live = {id(opt): opt for opt, handle in self._guards if _installed(opt, handle)}
+        found: dict[Any, torch.optim.Optimizer] = {}
+        for key, value in into.items():
+            try:
+                opt = unwrap_optimizer(value)
+            except ConfigurationError:
+                continue
+            if id(opt) in live:
+                found[key] = opt
+        return found
+
+    def wait_restored_blocking(self) -> None:
+        """Block until every lazy restore has loaded its optimizers' state (any thread but
+        the engine's); a failed one is not raised here (the guarded step raises it)."""
+        pending = [f for f in self._restoring.values() if not f.done()]
+        if pending:
+            concurrent.futures.wait(pending)
+
+    async def settle_lazy(self) -> None:
+        """Wait (engine loop) for the lazy restores still loading."""
+        while self._lazy_tasks:
+            await asyncio.wait(set(self._lazy_tasks))
+
     async def restore_on_engine(
-        self, step: int | None, into: Any, map_location: torch.device | str | None
+        self,
+        step: int | None,
+        into: Any,
+        map_location: torch.device | str | None,
+        lazy: bool = False,
     ) -> Any:
         if step is not None and (type(step) is not int or step < 0):
             raise ConfigurationError(f"step must be a non-negative int or None, got {step!r}")
+        if type(lazy) is not bool:
+            raise ConfigurationError(f"lazy must be True or False, got {lazy!r}")
+        deferred = self.lazy_targets(into) if lazy else {}
+        await self.settle_lazy()  # one restore at a time into the same optimizers
         if step is None and self.engine.coordinator is not None:
             agreed = await self.steps_on_engine()  # all ranks restore the same step
             if not agreed:
@@ -471,6 +520,7 @@ class _Core:
         manifest, sources = await read_base_manifest(self.engine.tiers, step, rank, world)
         protected = self.engine.protected
         protected[manifest.step] = protected.get(manifest.step, 0) + 1
+        handed_over = False
         try:
             if needs_resharding(manifest, into, rank, world):
                 return await restore_resharded(
@@ -483,6 +533,19 @@ class _Core:
                     map_location=map_location,
                     allow_pickle=self.options.allow_pickle,
                 )
+            if deferred:
+                rest = await restore_lazily(
+                    manifest,
+                    sources,
+                    into=into,
+                    deferred=set(deferred),
+                    map_location=map_location,
+                    allow_pickle=self.options.allow_pickle,
+                )
+                if rest is not None:
+                    self._start_lazy(manifest.step, rest, deferred.values())
+                    handed_over = True  # the rest of the restore unprotects the step
+                    return into
             return await restore_state(
                 manifest,
                 sources,
@@ -491,9 +554,47 @@ class _Core:
                 allow_pickle=self.options.allow_pickle,
             )
         finally:
-            protected[manifest.step] -= 1
-            if not protected[manifest.step]:
-                del protected[manifest.step]
+            if not handed_over:
+                self._unprotect(manifest.step)
+
+    def _unprotect(self, step: int) -> None:
+        protected = self.engine.protected
+        protected[step] -= 1
+        if not protected[step]:
+            del protected[step]
+
+    def _start_lazy(
+        self,
+        step: int,
+        rest: Callable[[], Awaitable[None]],
+        optimizers: Iterable[torch.optim.Optimizer],
+    ) -> None:
+        """Load the deferred optimizer state in the background (engine loop); each
+        optimizer's guard holds its step until it is done."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        for opt in optimizers:
+            self._restoring[id(opt)] = done
+
+        async def run() -> None:
+            try:
+                await rest()
+            except BaseException as exc:
+                log.error(
+                    "lazyckpt: the lazy restore of step %d could not load the optimizer "
+                    "state: %s; the guarded optimizer.step() raises it",
+                    step, exc, extra={"step": step},
+                )
+                done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                done.set_result(None)
+            finally:
+                self._unprotect(step)
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"lazyckpt-lazy-restore-{step}")
+        self._lazy_tasks.add(task)
+        task.add_done_callback(self._lazy_tasks.discard)
 
     async def verify_on_engine(self, step: int | None) -> VerifyReport:
         if step is not None and (type(step) is not int or step < 0):
@@ -573,6 +674,7 @@ class _Core:
             raise errors[0]
 
     async def close_on_engine(self) -> None:
+        await self.settle_lazy()
         await self.engine.close()
 
     async def drain_on_engine(self, timeout: float | None) -> DrainReport:  # noqa: ASYNC109
@@ -1018,6 +1120,7 @@ class Checkpointer:
         *,
         into: Any = None,
         map_location: torch.device | str | None = None,
+        lazy: bool = False,
     ) -> Any:
         """Restore a committed snapshot, bit for bit.
 
@@ -1026,13 +1129,21 @@ class Checkpointer:
             into: a mapping of live tensors / Stateful objects to load into in place
                 (tensors keep their device and identity); it is returned.
             map_location: device for new tensors (default CPU).
+            lazy: return as soon as everything but the state of the optimizers in
+                ``into`` that ``guard()`` watches is in place; their state streams in
+                behind, while the first forward and backward passes run. Each guarded
+                ``optimizer.step()`` (after the closure, with a closure) waits until its
+                optimizer's state is loaded, and raises if that failed; ``snapshot()``
+                and the next ``restore()`` wait for it too. Without such an optimizer in
+                ``into``, or with device (CUDA) targets or resharding, the restore is
+                eager. The result is bit for bit the eager one.
 
         Reads from the fastest tier holding the step, falling back tier by tier and shard
         by shard on corruption or loss. Cancelling it may leave ``into`` partly loaded.
         """
         self._core.check_open()
         await self.wait_captured()
-        return await self._call(self._core.restore_on_engine(step, into, map_location))
+        return await self._call(self._core.restore_on_engine(step, into, map_location, lazy))
 
     async def steps(self) -> list[int]:
         """Steps committed on at least one tier, ascending."""
@@ -1153,11 +1264,12 @@ class SyncCheckpointer:
         *,
         into: Any = None,
         map_location: torch.device | str | None = None,
+        lazy: bool = False,
     ) -> Any:
         """See :meth:`Checkpointer.restore`."""
         self._core.check_open()
         self._core.wait_captured_blocking()
-        return self._call(lambda: self._core.restore_on_engine(step, into, map_location))
+        return self._call(lambda: self._core.restore_on_engine(step, into, map_location, lazy))
 
     def steps(self) -> list[int]:
         """See :meth:`Checkpointer.steps`."""
