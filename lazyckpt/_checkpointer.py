@@ -572,6 +572,7 @@ class _Core:
         """Load the deferred optimizer state in the background (engine loop); each
         optimizer's guard holds its step until it is done."""
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        optimizers = list(optimizers)
         for opt in optimizers:
             self._restoring[id(opt)] = done
 
@@ -589,6 +590,9 @@ class _Core:
                     raise
             else:
                 done.set_result(None)
+                for opt in optimizers:  # loaded: nothing left for the guard to wait for
+                    if self._restoring.get(id(opt)) is done:
+                        del self._restoring[id(opt)]
             finally:
                 self._unprotect(step)
 
