@@ -96,8 +96,8 @@ def chain(root: Path, args: argparse.Namespace, with_local: bool) -> list[Any]:
 
 
 def setup(root: Path, args: argparse.Namespace) -> int:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import lazyckpt
 
@@ -108,7 +108,7 @@ def setup(root: Path, args: argparse.Namespace) -> int:
     with lazyckpt.SyncCheckpointer(tiers, shard_size=8 << 20) as ckpt:
         ckpt.snapshot({"model": model, "optim": optim}, step=1).wait()
     model_sd, optim_sd = get_state_dict(model, optim)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "dcp"))
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "dcp"))
     return sum(p.numel() * 4 for p in model.parameters())
 
 
@@ -120,13 +120,12 @@ def child(root: Path, case: str, started: float, args: argparse.Namespace) -> di
     forward: list[float] = []
     t0 = time.perf_counter()
     if case == "dcp.load":
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         model_sd, optim_sd = get_state_dict(model, optim)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(root / "dcp"))
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "dcp"))
+        set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
         returned = time.perf_counter()
         train_step(model, optim, forward)
     else:
