@@ -811,6 +811,13 @@ class Engine:
                         )
                 if flight.failed_from == 0 and self.staging is not None:
                     self.staging.forget(flight.step)
+                if flight.failed_from >= 1 and self.host is not None and not self.host_last:
+                    # the host tier's copy is a convenience: a snapshot that failed on a
+                    # durable tier must not be listed (or restored) through it
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(
+                            self._guarded(0, "drop failed", partial(self.host.delete, flight.step))
+                        )
                 failed = [self.stage_names[k] for k in range(flight.failed_from, len(self.stage_names))]
                 error = SnapshotFailedError(
                     f"snapshot of step {flight.step} failed on {failed}: "
@@ -820,11 +827,16 @@ class Engine:
                     tiers=failed,
                 )
                 self.failed += 1
+                # one warning per snapshot, however many of its shards failed: the first
+                # failure and a count of the others (each of them was logged at INFO)
+                others = len(flight.errors) - 1
                 log.warning(
                     "SNAPSHOT FAILED: step %d is not committed on %s (%d failed so far); "
-                    "training goes on: %s",
+                    "training goes on: %s%s",
                     flight.step, failed, self.failed,
                     flight.errors[0] if flight.errors else "no cause recorded",
+                    f" (and {others} more failure{'s' if others > 1 else ''} of this snapshot)"
+                    if others > 0 else "",
                     extra={"step": flight.step, "tier": failed[0]},
                 )
                 self._finish_failed(flight, error, flight.failed_from)

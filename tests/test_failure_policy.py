@@ -63,6 +63,8 @@ async def test_a_tier_failing_every_other_commit_costs_no_optimizer_step(
                 failed.append(h.step)
         assert ckpt.metrics()["snapshots_failed"] == len(failed) == STEPS // 2
         listed = await flaky.steps()
+        # nor through the host tier, whose copy of a failed snapshot is dropped
+        assert await ckpt.steps() == listed
     # every optimizer, scaler and scheduler update happened
     assert run.optimizer_steps == STEPS
     assert run.sched.last_epoch == STEPS
@@ -164,3 +166,32 @@ def test_the_batchnorm_flaky_storage_example() -> None:
     assert "optimizer steps: 12 of 12" in done.stdout
     assert "losses identical bit for bit: True" in done.stdout
     assert done.stderr.count("SNAPSHOT FAILED") == 4
+
+
+async def test_one_failed_snapshot_logs_one_warning_whatever_its_shard_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every shard of a snapshot fails on a broken tier: one warning for the snapshot (its
+    first failure, and how many more there were), not one per shard."""
+    broken = FaultyTier(FileTier(tmp_path / "file"))
+    broken.break_("put_shard")
+    broken.delay_s = 0.2  # the shards reach the tier together, and each fails there
+    state = {f"w{i}": torch.randn(1 << 15) for i in range(8)}  # 8 chunk shards of 128 KiB
+    caplog.set_level(logging.INFO, logger="lazyckpt")
+    async with lazyckpt.Checkpointer(
+        [HostMemoryTier(32 << 20), broken], staging_bytes=16 << 20, **SMALL
+    ) as ckpt:
+        handle = await ckpt.snapshot(state, step=1)
+        with pytest.raises(SnapshotFailedError) as caught:
+            await handle.committed()
+    failures = len(caught.value.exceptions)
+    assert failures > 1  # several shards failed, each on its own
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "lazyckpt" and r.levelno >= logging.WARNING
+    ]
+    assert len(warnings) == 1, warnings
+    (warning,) = warnings
+    assert "SNAPSHOT FAILED: step 1 " in warning and "injected permanent failure" in warning
+    assert f"and {failures - 1} more" in warning

@@ -7,8 +7,11 @@ import asyncio
 import errno
 import os
 import re
+import shutil
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -299,3 +302,70 @@ async def test_one_lock_per_rank(tmp_path: Path, kind: str) -> None:
         ".lazyckpt-writer-rank-00000.lock",
         ".lazyckpt-writer-rank-00001.lock",
     ]
+
+
+async def test_a_reader_opens_while_the_writer_removes_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader's open looks into each step directory; the writer beside it (retention, an
+    abort) may remove one between the listing of the root and that look. The reader must
+    open all the same: readers work beside a writer."""
+    await write_then_die(tmp_path, 1, 2)
+    doomed = tmp_path / "step-000000000002"
+    listdir = Path.iterdir
+
+    def removed_first(self: Path) -> Iterator[Path]:
+        if self == doomed and doomed.exists():
+            shutil.rmtree(doomed)  # the writer, between the reader's two listings
+        return listdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", removed_first)
+    tier = FileTier(tmp_path, readonly=True)
+    await tier.open()
+    try:
+        assert await tier.steps() == [1]
+    finally:
+        await tier.aclose()
+
+
+async def test_manifest_reads_never_queue_behind_the_bulk_writes(tmp_path: Path) -> None:
+    """Manifests are read with aiofiles, off the tier's bounded I/O pool: with that pool
+    busy (a long data write), reading a committed step's manifest still answers."""
+    await write_then_die(tmp_path, 1, 2)
+    tier = FileTier(tmp_path, io_threads=1)
+    await tier.open()
+    busy, release = threading.Event(), threading.Event()
+
+    def long_write() -> None:
+        busy.set()
+        release.wait(30)
+
+    blocked = asyncio.ensure_future(tier._run("a long write", long_write))
+    try:
+        await asyncio.to_thread(busy.wait, 10)
+        manifest = await asyncio.wait_for(tier.read_manifest(1), 10)
+        assert manifest.step == 1
+    finally:
+        release.set()
+        await blocked
+        await tier.aclose()
+
+
+@pytest.mark.parametrize(("kind", "other"), [("file", "zarr"), ("zarr", "file")])
+async def test_every_rank_refuses_a_foreign_location_unchanged(
+    tmp_path: Path, kind: str, other: str
+) -> None:
+    """Not only rank 0: a rank that does not clean up still must not put its lock file (or
+    anything) into a location another kind of tier wrote."""
+    async with lazyckpt.Checkpointer(
+        [lazyckpt.load_tier(other, str(tmp_path))], staging_bytes=1 << 20, **SMALL
+    ) as c:
+        await (await c.snapshot({"w": torch.randn(300, 77)}, step=1)).committed()
+    before = tree(tmp_path)
+    hidden = sorted(os.listdir(tmp_path))
+    tier = lazyckpt.load_tier(kind, str(tmp_path))
+    tier.rank, tier.world_size = 1, 2
+    with pytest.raises(lazyckpt.ForeignLocationError):
+        await tier.open()
+    await tier.aclose()
+    assert tree(tmp_path) == before and sorted(os.listdir(tmp_path)) == hidden

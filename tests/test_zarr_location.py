@@ -5,10 +5,12 @@ opens change nothing, one writer per location (a lease on S3), and missing bucke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from lazyckpt import (
 )
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, ZarrTier
+from tiers._zarr_store import DurableLocalStore
 
 __all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 
@@ -244,3 +247,169 @@ def test_cli_reads_create_nothing(
     assert main(["ls", "s3://no-such-bucket-here/run"]) == EXIT_NOT_FOUND
     buckets = {b["Name"] for b in s3.server.client().list_buckets()["Buckets"]}
     assert "no-such-bucket-here" not in buckets
+
+
+@pytest.mark.parametrize("stalls_at", ["step-000000000005/zarr.json", "zarr.json"])
+async def test_a_writer_that_stalls_past_its_lease_mid_commit_commits_nothing(
+    s3: S3Location, monkeypatch: pytest.MonkeyPatch, stalls_at: str
+) -> None:
+    """The stale writer passed its lease check, then stalled (before the commit record, or
+    between reading and writing the index) while a new writer took over and swept the
+    stale one's uncommitted step: its commit must fail, and no index may list that step."""
+    import obstore
+
+    options = {**s3.server.tier_options(), "lease_seconds": 1.0}
+    first = ZarrTier(s3.url, **options)
+    await first.open()
+    manifest, payloads = build_snapshot(5, state_of(5), shard_size=64 << 10)
+    await first.begin(manifest)
+    for shard, data in zip(manifest.shards, payloads, strict=True):
+        await first.put_shard(manifest, shard, memoryview(data))
+
+    stalled, resume = asyncio.Event(), asyncio.Event()
+    put = obstore.put_async
+    stale_store = first._backend_store
+
+    async def slow_put(store: object, key: str, *args: object, **kwargs: object) -> object:
+        if store is stale_store and key == stalls_at and not resume.is_set():
+            stalled.set()
+            await resume.wait()
+        return await put(store, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(obstore, "put_async", slow_put)
+    commit = asyncio.create_task(first.commit(manifest))
+    await stalled.wait()
+    await asyncio.sleep(1.2)  # the lease runs out while the writer is stalled
+    second = ZarrTier(s3.url, **options)
+    await second.open()  # takes the location over and sweeps step 5, which is uncommitted
+    try:
+        resume.set()
+        with pytest.raises(LocationInUseError):
+            await commit
+        with pytest.raises(LocationInUseError):  # and it stays stopped
+            await write_one(first, 7)
+        assert await second.steps() == []
+        await write_one(second, 6)  # the new writer goes on
+        assert await second.steps() == [6]
+    finally:
+        await second.aclose()
+        await first.aclose()
+    reader = ZarrTier(s3.url, readonly=True, **s3.server.tier_options())
+    await reader.open()
+    try:
+        assert await reader.steps() == [6]
+    finally:
+        await reader.aclose()
+
+
+async def test_a_lost_index_never_lists_a_step_whose_data_is_incomplete(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A delete that crashed part way (the index already updated, some objects gone, the
+    step's commit record still there) and then a lost index: the rebuilt index must not
+    list the step whose data is incomplete."""
+    await write(lambda: ZarrTier(tmp_path), [1, 2, 3])
+    chunks = sorted((tmp_path / "step-000000000002" / "tensors").rglob("c/*/*"))
+    assert chunks
+    chunks[-1].unlink()  # one chunk of step 2 gone, its zarr.json (the record) still there
+    (tmp_path / "zarr.json").unlink()
+    caplog.set_level(logging.WARNING, logger="lazyckpt")
+    writer = ZarrTier(tmp_path)
+    await writer.open()
+    try:
+        assert await writer.steps() == [1, 3]
+    finally:
+        await writer.aclose()
+    assert "step-000000000002" in caplog.text
+    assert (tmp_path / "step-000000000002").is_dir()  # left in place on that open
+    assert await restored_step(ZarrTier(tmp_path, readonly=True)) == 3
+
+
+async def test_a_writer_that_lost_its_lease_deletes_nothing_of_the_new_ones(
+    s3: S3Location,
+) -> None:
+    """The stale writer gives up its step (the engine aborts it) while the writer that took
+    over writes the same step number, as a restarted job does: the abort must not remove
+    the new writer's objects, or the new writer would commit a step without its data."""
+    options = {**s3.server.tier_options(), "lease_seconds": 1.0}
+    first = ZarrTier(s3.url, **options)
+    await first.open()
+    manifest, payloads = build_snapshot(5, state_of(5), shard_size=64 << 10)
+    await first.begin(manifest)
+    await first.put_shard(manifest, manifest.shards[0], memoryview(payloads[0]))
+    await asyncio.sleep(1.2)  # stalled past its lease
+    second = ZarrTier(s3.url, **options)
+    await second.open()
+    try:
+        manifest, payloads = build_snapshot(5, state_of(5), shard_size=64 << 10)
+        await second.begin(manifest)
+        for shard, data in zip(manifest.shards, payloads, strict=True):
+            await second.put_shard(manifest, shard, memoryview(data))
+        await first.abort(5)  # the stale writer cleans up after its failure
+        await second.commit(manifest)
+        assert await second.steps() == [5]
+    finally:
+        await second.aclose()
+        await first.aclose()
+    assert await restored_step(ZarrTier(s3.url, readonly=True, **s3.server.tier_options())) == 5
+
+
+async def test_index_and_manifest_reads_never_queue_behind_the_bulk_writes(
+    tmp_path: Path,
+) -> None:
+    """On a path, the index and the commit records are read with aiofiles, off the store's
+    bounded pool: with that pool busy (chunk writes), listing and reading a manifest answer."""
+    await write(lambda: ZarrTier(tmp_path), [1])
+    tier = ZarrTier(tmp_path, io_threads=1)
+    await tier.open()
+    store = tier._store
+    assert isinstance(store, DurableLocalStore)
+    busy, release = threading.Event(), threading.Event()
+
+    def long_write() -> None:
+        busy.set()
+        release.wait(30)
+
+    blocked = asyncio.ensure_future(store._run(long_write))
+    try:
+        await asyncio.to_thread(busy.wait, 10)
+        assert await asyncio.wait_for(tier.steps(), 10) == [1]
+        assert (await asyncio.wait_for(tier.read_manifest(1), 10)).step == 1
+    finally:
+        release.set()
+        await blocked
+        await tier.aclose()
+
+
+async def test_closing_a_writer_whose_lease_ran_out_leaves_the_takers_lease(
+    s3: S3Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer idle past its lease closes while another tries to take the location over,
+    the taker getting in right before the close deletes the lease object (if it can get in
+    then at all): never may two later writers both hold the location, as they would if the
+    close deleted the taker's lease."""
+    import obstore
+
+    options = {**s3.server.tier_options(), "lease_seconds": 1.0}
+    first = ZarrTier(s3.url, **options)
+    await first.open()
+    await asyncio.sleep(1.2)  # idle past its lease
+    second, third = ZarrTier(s3.url, **options), ZarrTier(s3.url, **options)
+    delete = obstore.delete_async
+    stale_store = first._backend_store
+
+    async def taker_first(store: object, key: object, *args: object) -> None:
+        if store is stale_store and not second._leased:
+            with contextlib.suppress(LocationInUseError):
+                await second.open()
+        await delete(store, key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(obstore, "delete_async", taker_first)
+    await first.aclose()
+    try:
+        with contextlib.suppress(LocationInUseError):
+            await third.open()
+        assert not (second._leased and third._leased), "two writers hold the location"
+    finally:
+        await third.aclose()
+        await second.aclose()

@@ -453,3 +453,33 @@ def test_dtensor_state_reshards_through_zarr(tmp_path: Path) -> None:
         assert got[k].dtype == v.dtype and torch.equal(
             got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
         ), k
+
+
+async def test_a_lost_index_is_rebuilt_from_complete_steps_of_several_ranks(
+    make_tier: Callable[[], ZarrTier],
+) -> None:
+    """Rebuilding a lost index checks every rank's part: a step that lost one object of
+    rank 1's part (a delete that stopped part way) is left out, the complete one listed."""
+    tiers = rank_tiers(make_tier, 2)
+    for t in tiers:
+        await t.open()
+    try:
+        for step in (3, 4):
+            for t in tiers:
+                await write_part(t, step)
+            await tiers[0].commit_global(step, 2)
+        store = tiers[0]._store
+        part = f"{STEP.format(3)}/rank-00001/"
+        victim = sorted([k async for k in store.list_prefix(part) if "/c/" in k])[-1]
+        await store.delete(victim)
+        await store.delete("zarr.json")
+    finally:
+        for t in tiers:
+            await t.aclose()
+    tiers = rank_tiers(make_tier, 2)
+    await tiers[0].open()
+    try:
+        assert await tiers[0].steps() == [4]
+        assert await read_back(tiers[0], 4, 1)
+    finally:
+        await tiers[0].aclose()

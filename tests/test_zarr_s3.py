@@ -138,9 +138,10 @@ async def test_server_gone_fails_the_snapshot_not_the_training(
         async with Checkpointer([HostMemoryTier(4 << 20), tier], retries=0, **SMALL) as ckpt:
             ckpt.guard(opt)
             await (await ckpt.snapshot({"model": model.state_dict()}, step=1)).committed()
+            committed = model.weight.detach().clone()
             server.stop()
             stopped = True
-            for step in (2, 3):  # training goes on; each snapshot still lands on the host
+            for step in (2, 3):  # training goes on; each snapshot still reaches the host
                 model(torch.randn(8, 64)).sum().backward()
                 opt.step()
                 opt.zero_grad()
@@ -153,8 +154,12 @@ async def test_server_gone_fails_the_snapshot_not_the_training(
                 text = _every_text(failure.value)
                 assert SECRET_ACCESS_KEY not in text and ACCESS_KEY_ID not in text
                 assert "zarr" in text
-            restored = await ckpt.restore()  # the newest copy, from host memory
-        assert torch.equal(restored["model"]["weight"], model.weight.detach())
+            # a snapshot that failed on a durable tier is dropped from the host tier too:
+            # the newest snapshot is the last one committed everywhere
+            assert await ckpt.steps() == [1]
+            restored = await ckpt.restore()
+        assert torch.equal(restored["model"]["weight"], committed)
+        assert not torch.equal(committed, model.weight.detach())  # training went on
         assert SECRET_ACCESS_KEY not in caplog.text
     finally:
         if not stopped:

@@ -55,7 +55,7 @@ from lazyckpt import (
     translate_os_error,
 )
 
-from ._fs import WriterLock, fsync_dir, lock_name, remove_tree
+from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
 
 __all__ = ["FileTier"]
 
@@ -165,6 +165,16 @@ class FileTier(Tier):
         except OSError as exc:
             raise translate_os_error(exc, self.name, what) from exc
 
+    async def _read_small(self, what: str, path: Path) -> bytes:
+        """A manifest, read with aiofiles (see :func:`read_small`): never behind the bulk
+        writes queued on this tier's pool."""
+        if self._closed:
+            raise TierClosedError("closed", tier=self.name)
+        try:
+            return await read_small(path)
+        except OSError as exc:
+            raise translate_os_error(exc, self.name, what) from exc
+
     # -- life cycle --------------------------------------------------------------------------
 
     async def open(self) -> None:
@@ -182,8 +192,11 @@ class FileTier(Tier):
                 raise SnapshotNotFoundError(f"{self.root}: no such directory (tier {self.name!r})")
             self._survey(writing=False)  # refuses another store's location; changes nothing
             return
-        if self.root.is_dir() and (self.world_size == 1 or self.rank == 0):
-            self._survey()  # a foreign location is refused before anything is written there
+        if self.root.is_dir():
+            # a foreign location is refused before anything (even a lock) is written there,
+            # by every rank; the others only look for another store's signs, as a reader
+            # does, since rank 0 may be sweeping leftovers meanwhile
+            self._survey(writing=self.world_size == 1 or self.rank == 0)
         self.root.mkdir(parents=True, exist_ok=True)
         lock = WriterLock(self.root / lock_name(self.rank), str(self.root))
         lock.acquire()
@@ -230,7 +243,10 @@ class FileTier(Tier):
                     location=where,
                 )
             if _STEP_DIR.match(name) and entry.is_dir():
-                names = sorted(p.name for p in entry.iterdir())
+                try:
+                    names = sorted(p.name for p in entry.iterdir())
+                except FileNotFoundError:  # a writer beside this reader removed it meanwhile
+                    continue
                 temps += [entry / n for n in names if _TEMP.match(n)]
                 foreign = [n for n in names if not _STEP_FILE.match(n) and not _TEMP.match(n)]
                 if not writing:
@@ -478,21 +494,19 @@ class FileTier(Tier):
         directory); a step written by a single process has one manifest, for any rank."""
         path = self._dir(step) / MANIFEST
         try:
-            data = await self._run(f"read manifest {path}", path.read_bytes)
+            data = await self._read_small(f"read manifest {path}", path)
         except TierBrokenError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 raise SnapshotNotFoundError(
                     f"step {step} is not committed on {self.name!r}"
                 ) from None
             raise
-        assert isinstance(data, bytes)
         if b'"lazyckpt-commit"' in data[:64]:  # several ranks: read this rank's manifest
             path = self._dir(step) / f"rank-{rank:05d}.json"
             try:
-                data = await self._run(f"read manifest {path}", path.read_bytes)
+                data = await self._read_small(f"read manifest {path}", path)
             except TierBrokenError as exc:
                 raise CorruptionError(f"{path} is missing from committed step {step}") from exc
-            assert isinstance(data, bytes)
         manifest = Manifest.from_json(data, source=f"{self.name}:{path}")
         if manifest.step != step:
             raise CorruptionError(f"{path} holds step {manifest.step}, not {step}")

@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiofiles
+
 from lazyckpt import LocationInUseError
 
-__all__ = ["WriterLock", "fsync_dir", "lock_name", "remove_tree"]
+__all__ = ["WriterLock", "fsync_dir", "lock_name", "read_small", "remove_tree"]
 
 log = logging.getLogger("lazyckpt")
 
@@ -30,6 +32,18 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+async def read_small(path: Path) -> bytes:
+    """The whole of a small file (a manifest, a commit record, a marker), read with aiofiles.
+
+    aiofiles runs on the event loop's own executor, not on a tier's bounded I/O pool: a
+    manifest read or an index read never queues behind the multi-MiB writes of a snapshot
+    in flight. Raises the ``OSError`` the read raised (``FileNotFoundError`` when absent).
+    """
+    async with aiofiles.open(path, "rb") as f:
+        data: bytes = await f.read()
+    return data
 
 
 def remove_tree(path: Path) -> None:

@@ -48,7 +48,10 @@ One writer per location: on a path each writing rank holds an ``flock`` on
 object ``.lazyckpt-writer-rank-NNNNN.json``, created with a conditional PUT (``If-None-Match``)
 and renewed with ``If-Match`` on its ETag, so a second writer is refused at ``open()`` and a
 writer that lost its lease (it stalled past ``lease_seconds`` and another took over) fails
-before it writes again. Readers take neither.
+before it writes again. The index on S3 is fenced by that lease: it names the owning
+writer's token and is replaced only with ``If-Match`` on the ETag just read, and a writer that
+takes over writes its token there before it sweeps anything, so a writer that stalls past its
+lease after its last check still never commits. Readers take neither.
 
 ``open()`` deletes only what it can prove is its own uncommitted leftover: a step group
 missing from the index, under a root whose ``zarr.json`` carries lazyckpt's attributes, that
@@ -107,7 +110,7 @@ from lazyckpt import (
     TierLevel,
 )
 
-from ._fs import WriterLock, lock_name
+from ._fs import WriterLock, lock_name, read_small
 from ._zarr_store import DurableLocalStore
 
 __all__ = ["ZarrTier"]
@@ -871,6 +874,7 @@ class ZarrTier(Tier):
         self._delete_lock = asyncio.Lock()
         self._writer_lock: WriterLock | None = None
         self._lease: tuple[str, str, float] | None = None  # token, ETag, renewed (monotonic)
+        self._leased = False  # this writer took a lease: without one now, it lost it
         self._closed = False
 
     def describe(self) -> dict[str, Any]:
@@ -968,6 +972,19 @@ class ZarrTier(Tier):
     async def _get(self, key: str) -> Buffer | None:
         return await self._request(self._store.get(key, default_buffer_prototype()))
 
+    async def _get_document(self, key: str) -> bytes | None:
+        """A small metadata object (the index, a commit record, a group or array document).
+        On a path it is read with aiofiles, off the store's bounded pool, so listing steps
+        or reading a manifest never waits behind the chunk writes queued there; writes stay
+        on the store (they fsync the file and its directory)."""
+        if self._local is None:
+            raw = await self._get(key)
+            return None if raw is None else raw.to_bytes()
+        try:
+            return await read_small(self._local.joinpath(*key.split("/")))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
     async def _put(self, key: str, data: bytes) -> None:
         await self._request(self._store.set(key, CpuBuffer.from_bytes(data)))
 
@@ -1016,11 +1033,14 @@ class ZarrTier(Tier):
     # -- the commit index ------------------------------------------------------------------
 
     async def _read_root(self) -> dict[str, Any] | None:
-        raw = await self._get("zarr.json")
+        raw = await self._get_document("zarr.json")
         if raw is None:
             return None
+        return self._parse_root(raw)
+
+    def _parse_root(self, raw: bytes) -> dict[str, Any]:
         try:
-            doc = json.loads(raw.to_bytes())
+            doc = json.loads(raw)
             if doc.get("node_type") != "group":
                 raise ValueError("not a group")
         except (ValueError, AttributeError) as exc:
@@ -1043,6 +1063,9 @@ class ZarrTier(Tier):
         return sorted(steps)
 
     async def _update_index(self, add: int | None = None, remove: int | None = None) -> None:
+        if self._leased:
+            await self._update_fenced_index(() if add is None else (add,), remove, claim=False)
+            return
         async with self._index_lock:
             root = await self._read_root()
             if root is None:
@@ -1059,6 +1082,71 @@ class ZarrTier(Tier):
             # The commit point: one atomic object write (an S3 PUT, a rename on a path).
             await self._put("zarr.json", _json(root))
 
+    async def _update_fenced_index(
+        self, add: Iterable[int], remove: int | None, *, claim: bool
+    ) -> None:
+        """The index of a leased (S3) location, fenced: it names the lease token of the
+        writer that owns it, and is only replaced with ``If-Match`` on the ETag just read.
+        A writer that took the location over ``claim``s it (writes its own token) before it
+        deletes anything, so a writer that lost its lease, however long it stalled after its
+        last lease check, finds another token or a changed ETag and never writes the index:
+        the commit point cannot be reached by two writers, whatever the hosts' clocks say."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        token = self._lease[0] if self._lease is not None else None
+        async with self._index_lock:
+            for attempt in range(self._retries + 3):
+                if token is None:
+                    raise self._lost_lease()
+                try:
+                    got = await self._request(obstore.get_async(self._backend_store, "zarr.json"))
+                    raw, etag = bytes(await got.bytes_async()), got.meta["e_tag"]
+                except FileNotFoundError:  # what obstore raises for a missing object
+                    raw, etag = None, None
+                root = self._parse_root(raw) if raw is not None else None
+                if root is None:
+                    if not claim:  # the taker always writes one: it is not ours any more
+                        raise self._lost_lease()
+                    root = json.loads(_group_doc({"lazyckpt": {}}))
+                    assert root is not None
+                lazy = root["attributes"]["lazyckpt"]
+                if not claim and lazy.get("writer") != token:
+                    raise self._lost_lease()
+                steps = set(self._committed(root)).union(add)
+                if remove is not None:
+                    steps.discard(remove)
+                lazy["format_version"] = max(int(lazy.get("format_version", 0)), FORMAT_VERSION)
+                lazy["committed"] = sorted(steps)
+                lazy["writer"] = token
+                mode: Any = "create" if etag is None else {"e_tag": etag}
+                try:
+                    await self._request(
+                        obstore.put_async(self._backend_store, "zarr.json", _json(root), mode=mode)
+                    )
+                    return
+                except (PreconditionError, AlreadyExistsError):
+                    continue  # written since the read: read again (was it the taker?)
+                except Exception:
+                    if attempt >= self._retries:
+                        raise
+                    # S3 clients do not retry conditional PUTs; a lost reply of one that
+                    # landed shows up on the next read as this token's own index
+                    await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+            raise TierBrokenError(
+                f"the commit index {self.location}/zarr.json kept changing under this writer",
+                tier=self.name,
+            )
+
+    def _lost_lease(self) -> LocationInUseError:
+        self._lease = None  # lost for good: every later write stops too
+        return LocationInUseError(
+            f"{self.location}: this writer's lease expired and another writer took the "
+            "location over; this one stops writing here",
+            location=self.location,
+            holder=None,
+        )
+
     # -- life cycle ------------------------------------------------------------------------
 
     async def open(self) -> None:
@@ -1074,9 +1162,13 @@ class ZarrTier(Tier):
             if self.readonly:
                 await self._open_readonly()
                 return
-            if self._committer and await self._read_root() is None:
-                # a foreign location is refused before the lock or lease is written there
-                await self._rebuild_index(self._check_root_names(await self._names("")))
+            # a foreign location is refused before the lock or lease is written there
+            if await self._read_root() is None:
+                names = await self._names("")
+                if self._committer:
+                    await self._rebuild_index(self._check_root_names(names))
+                else:  # rank 0 may be writing the root meanwhile
+                    self._check_root_names([n for n in names if n != "zarr.json"])
             await self._take_writer_lock()
             try:
                 await self._open_for_writing()
@@ -1106,27 +1198,35 @@ class ZarrTier(Tier):
                 return  # rank 0 creates the root; every rank waits for it before writing
             names = await self._names("")
             steps = self._check_root_names(names)
-            committed = await self._rebuild_index(steps)
-            await self._put(
-                "zarr.json",
-                _group_doc(
-                    {"lazyckpt": {"format_version": FORMAT_VERSION, "committed": committed}}
-                ),
-            )
+            committed, incomplete = await self._rebuild_index(steps)
+            if self._leased:
+                await self._update_fenced_index(committed, None, claim=True)
+            else:
+                document = {"format_version": FORMAT_VERSION, "committed": committed}
+                await self._put("zarr.json", _group_doc({"lazyckpt": document}))
             if steps:
                 log.warning(
                     "%s: the commit index (zarr.json) was missing; rebuilt it from the %d of "
                     "%d step groups whose commit records verify (%s); the others were left "
-                    "in place",
+                    "in place%s",
                     self.location,
                     len(committed),
                     len(steps),
                     ", ".join(map(str, committed[-5:])) or "none",
+                    "; these have a commit record but not all their objects (a delete that "
+                    f"stopped part way?): {', '.join(map(_step_prefix, incomplete[:5]))}"
+                    if incomplete
+                    else "",
                 )
             return  # nothing is deleted on the open that rebuilt the index
         self._check_version(root)
         if not self._committer:
             return  # rank 0 cleans up; every rank waits for it before writing
+        if self._leased:
+            # the index names this writer before anything is deleted: a writer whose lease
+            # this one took over can no longer commit the steps swept below
+            await self._update_fenced_index((), None, claim=True)
+            root = await self._read_root()
         indexed = set(self._committed(root))
         leftovers = []
         async for name in self._store.list_dir(""):
@@ -1179,12 +1279,17 @@ class ZarrTier(Tier):
             )
         return sorted(n for n in names if _STEP_GROUP.match(n))
 
-    async def _rebuild_index(self, groups: list[str]) -> list[int]:
-        """The steps among ``groups`` whose commit records verify (a lost index, rebuilt).
+    async def _rebuild_index(self, groups: list[str]) -> tuple[list[int], list[int]]:
+        """The steps among ``groups`` whose commit records verify (a lost index, rebuilt),
+        and those whose records verify but whose objects are not all there.
 
         A group without a commit record was never committed and is left alone; a record
-        that does not verify stops the open, since nobody can tell what it held."""
-        committed = []
+        that does not verify stops the open, since nobody can tell what it held. A record
+        does not prove its data: a delete that stopped part way (the index already without
+        the step) leaves the record beside a part of the objects, so every object each
+        manifest names must be listed too, or the step is left out (and left in place)."""
+        committed: list[int] = []
+        incomplete: list[int] = []
         for prefix in groups:
             step = int(prefix[len("step-") :])
             names = await self._names(prefix)
@@ -1201,24 +1306,39 @@ class ZarrTier(Tier):
             try:
                 attrs = await self._group_attributes(key)
                 if "manifest" in attrs:
-                    source = f"{self.location}/{key}"
-                    manifest = Manifest.from_json(json.dumps(attrs["manifest"]), source=source)
-                    if manifest.step != step:
-                        raise CorruptionError(f"it holds step {manifest.step}")
+                    manifests = [self._record_manifest(attrs, key, step)]
                 else:
                     world = attrs.get("world_size")
                     if attrs.get("step") != step or type(world) is not int or world < 2:
                         raise CorruptionError("it is neither a manifest nor a commit record")
+                    manifests = []
                     for rank in range(world):
-                        await self._group_attributes(f"{_part_prefix(step, rank, world)}/zarr.json")
+                        part = f"{_part_prefix(step, rank, world)}/zarr.json"
+                        manifests.append(
+                            self._record_manifest(await self._group_attributes(part), part, step)
+                        )
+                plans = [plan_snapshot(m, self.pack_chunk_bytes) for m in manifests]
             except CorruptionError as exc:
                 raise CorruptionError(
                     f"{self.location}/zarr.json (the commit index) is missing, and whether "
                     f"step {step} was committed cannot be verified ({exc}); nothing was "
                     f"changed. Move {prefix} away to rebuild the index without it."
                 ) from exc
-            committed.append(step)
-        return committed
+            stored = {k async for k in self._store.list_prefix(f"{prefix}/")}
+            wanted = {t.key for plan in plans for t in plan.targets}
+            wanted.update(k for plan in plans for k in _documents(plan))
+            (committed if wanted <= stored else incomplete).append(step)
+        return committed, incomplete
+
+    def _record_manifest(self, attrs: dict[str, Any], key: str, step: int) -> Manifest:
+        source = f"{self.location}/{key}"
+        try:
+            manifest = Manifest.from_json(json.dumps(attrs["manifest"]), source=source)
+        except KeyError as exc:
+            raise CorruptionError(f"{source} has no manifest") from exc
+        if manifest.step != step:
+            raise CorruptionError(f"{source} holds step {manifest.step}")
+        return manifest
 
     # -- one writer per location -----------------------------------------------------------
 
@@ -1242,15 +1362,14 @@ class ZarrTier(Tier):
             self._writer_lock.release()
             self._writer_lock = None
         if self._lease is not None:
-            token = self._lease[0]
-            self._lease = None
             with contextlib.suppress(Exception):  # it expires anyway
                 import obstore
 
-                key = self._lease_key()
-                held = await self._request(obstore.get_async(self._backend_store, key))
-                if _lease_holder(await held.bytes_async()).get("token") == token:
-                    await self._request(obstore.delete_async(self._backend_store, key))
+                # renewed first, so that what is deleted is surely this writer's lease: a
+                # taker gets in only once it expired, and a lease lost already stays put
+                await self._renew_lease(force=True)
+                await self._request(obstore.delete_async(self._backend_store, self._lease_key()))
+            self._lease = None
 
     @property
     def _backend_store(self) -> Any:
@@ -1316,6 +1435,7 @@ class ZarrTier(Tier):
             if etag is None:
                 raise self._in_use(key, None)
         self._lease = (token, etag, time.monotonic())
+        self._leased = True
 
     def _in_use(self, key: str, holder: dict[str, Any] | None) -> LocationInUseError:
         who = (
@@ -1333,23 +1453,20 @@ class ZarrTier(Tier):
             holder={k: v for k, v in holder.items() if k != "token"} if holder else None,
         )
 
-    async def _renew_lease(self) -> None:
-        """Before writing: renew the lease once a third of it has passed; a lease another
+    async def _renew_lease(self, *, force: bool = False) -> None:
+        """Before writing: renew the lease once a third of it has passed (``force``: now,
+        before removing objects that may not be this writer's any more); a lease another
         writer took over (this one stalled past it) stops this writer here."""
-        if self._lease is None:
+        if not self._leased:
             return
+        if self._lease is None:
+            raise self._lost_lease()
         token, etag, renewed = self._lease
-        if time.monotonic() - renewed < self.lease_seconds / 3:
+        if not force and time.monotonic() - renewed < self.lease_seconds / 3:
             return
         new_etag = await self._lease_put(token, {"e_tag": etag})
         if new_etag is None:
-            self._lease = None
-            raise LocationInUseError(
-                f"{self.location}: this writer's lease expired and another writer took the "
-                "location over; this one stops writing here",
-                location=self.location,
-                holder=None,
-            )
+            raise self._lost_lease()
         self._lease = (token, new_etag, time.monotonic())
 
     async def aclose(self) -> None:
@@ -1370,7 +1487,9 @@ class ZarrTier(Tier):
     async def begin(self, manifest: Manifest) -> None:
         self._writable("write a snapshot")
         with self._backend("begin"):
-            await self._renew_lease()
+            # begin removes what sits at the step's prefix: only while the lease is surely
+            # this writer's (a taker may be writing the same step number there)
+            await self._renew_lease(force=True)
             root = await self._read_root()
             if root is None and manifest.world_size > 1:
                 raise ConfigurationError(
@@ -1468,6 +1587,10 @@ class ZarrTier(Tier):
             self._forget(step)
             if self.readonly:
                 return  # a read-only tier wrote nothing to abort
+            try:
+                await self._renew_lease(force=True)
+            except LocationInUseError:
+                return  # what is there now is the taker's (it may write the same step)
             if step in self._committed(await self._read_root()):
                 return
             if self.world_size == 1:
@@ -1526,11 +1649,11 @@ class ZarrTier(Tier):
     async def _group_attributes(self, key: str) -> dict[str, Any]:
         """``attributes.lazyckpt`` of the group document at ``key`` of a committed step."""
         source = f"{self.name}:{self.location}/{key}"
-        raw = await self._get(key)
+        raw = await self._get_document(key)
         if raw is None:
             raise CorruptionError(f"{source} is missing from a committed step")
         try:
-            attrs = json.loads(raw.to_bytes())["attributes"]["lazyckpt"]
+            attrs = json.loads(raw)["attributes"]["lazyckpt"]
             if not isinstance(attrs, dict):
                 raise TypeError("attributes.lazyckpt is not an object")
         except (ValueError, KeyError, TypeError) as exc:
@@ -1544,10 +1667,10 @@ class ZarrTier(Tier):
         geometry = self._geometry.get(at)
         if geometry is None:
             key = f"{plan.prefix}/packed/zarr.json"
-            raw = await self._get(key)
+            raw = await self._get_document(key)
             if raw is None:
                 raise CorruptionError(f"{self.location}/{key} is missing")
-            geometry = _geometry_from_document(raw.to_bytes(), f"{self.location}/{key}")
+            geometry = _geometry_from_document(raw, f"{self.location}/{key}")
             self._geometry[at] = geometry
         return geometry
 

@@ -106,10 +106,7 @@ class TierTests:
         order = list(range(len(payloads)))
         random.Random(manifest.step).shuffle(order)
         await asyncio.gather(
-            *(
-                tier.put_shard(manifest, manifest.shards[i], memoryview(payloads[i]))
-                for i in order
-            )
+            *(tier.put_shard(manifest, manifest.shards[i], memoryview(payloads[i])) for i in order)
         )
         await tier.commit(manifest)
 
@@ -308,6 +305,32 @@ class TierTests:
             finally:
                 await reader.aclose()
             assert await writer.steps() == [2]
+
+    async def test_reader_opened_mid_snapshot_changes_nothing(
+        self, make_tier: Callable[[], Tier]
+    ) -> None:
+        """A reader that opens while the writer is half way through a snapshot neither lists
+        nor sweeps it (to a reader it looks like a crash's leftover); the writer then
+        commits it whole."""
+        if not self.honours_readonly:
+            pytest.skip("this tier does not offer read-only opens")
+        first, first_payloads = build_snapshot(2, _sample_state())
+        manifest, payloads = build_snapshot(3, _sample_state())
+        async with self.opened(make_tier) as writer:
+            await self.write(writer, first, first_payloads)
+            await writer.begin(manifest)
+            for shard, data in zip(manifest.shards, payloads, strict=True):
+                await writer.put_shard(manifest, shard, memoryview(data))
+            reader = make_tier()
+            reader.readonly = True
+            await reader.open()
+            try:
+                assert await reader.steps() == [2]
+            finally:
+                await reader.aclose()
+            await writer.commit(manifest)
+            assert await writer.steps() == [2, 3]
+            assert await self.read_all(writer, await writer.read_manifest(3)) == payloads
 
     async def test_readonly_open_creates_nothing(self, make_tier: Callable[[], Tier]) -> None:
         found = await self.missing_location()

@@ -1,0 +1,181 @@
+"""LazyCheckpointCallback against the real transformers Trainer, on CPU with a tiny GPT-2."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+pytest.importorskip("accelerate", reason="accelerate is not installed")
+
+from lazyckpt import ConfigurationError, SyncCheckpointer  # noqa: E402
+from lazyckpt.integrations.huggingface import LazyCheckpointCallback  # noqa: E402
+from lazyckpt.testing import FaultyTier  # noqa: E402
+from tiers import FileTier, HostMemoryTier  # noqa: E402
+
+SAMPLES, BATCH, EPOCHS = 16, 4, 3  # 4 steps an epoch, 12 in all
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(0, 64, (SAMPLES, 16), generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2  # dropout 0.1 stays on
+    )
+    m = transformers.GPT2LMHeadModel(config)
+    m.losses = []
+    m.register_forward_hook(lambda mod, _i, out: mod.losses.append(out.loss.item()) if mod.training else None)
+    return m
+
+
+def train(root: Path, m: Any, callbacks: list[Any], resume: str | None = None, **kw: Any) -> Any:
+    options: dict[str, Any] = {
+        "output_dir": str(root / "out"),
+        "per_device_train_batch_size": BATCH,
+        "num_train_epochs": EPOCHS,
+        "learning_rate": 1e-2,
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "report_to": [],
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "seed": 0,
+    }
+    args = transformers.TrainingArguments(**{**options, **kw})
+    trainer = transformers.Trainer(model=m, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def chain(root: Path) -> list[Any]:
+    return [HostMemoryTier(16 << 20), FileTier(root / "store")]
+
+
+@pytest.mark.slow
+def test_resume_continues_bit_identically(tmp_path: Path) -> None:
+    straight = model()
+    train(tmp_path / "plain", straight, [])
+
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        lazy = model()
+        t = train(tmp_path, lazy, [cb])
+        assert lazy.losses == straight.losses  # the callback does not perturb training
+        assert cb.checkpointer.steps() == [2, 4, 6, 8, 10, 12]
+        log_history = t.state.log_history
+    assert not os.path.exists(tmp_path / "out") or not any(
+        n.startswith("checkpoint-") for n in os.listdir(tmp_path / "out")
+    )  # the Trainer's own save was replaced
+
+    for step in (4, 6):  # an epoch boundary and the middle of an epoch
+        with LazyCheckpointCallback(chain(tmp_path)) as cb:
+            resumed = model(seed=step)  # other initial weights
+            folder = cb.checkpoint_dir(step)
+            assert folder is not None
+            t = train(tmp_path / f"r{step}", resumed, [cb], resume=folder)
+        assert resumed.losses == straight.losses[step:], step
+        for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+            assert torch.equal(a, b)
+        assert t.state.log_history[: step] == log_history[: step]
+        assert not os.path.exists(folder)  # the resume folder is gone after training
+
+
+def test_every_step_and_latest(tmp_path: Path) -> None:
+    with LazyCheckpointCallback(chain(tmp_path), every_step=True) as cb:
+        assert cb.checkpoint_dir() is None  # nothing saved yet
+        train(tmp_path, model(), [cb], num_train_epochs=1)
+        assert cb.checkpointer.steps() == [1, 2, 3, 4]
+        folder = cb.checkpoint_dir()
+        assert folder is not None and folder.endswith("checkpoint-4")
+        assert sorted(os.listdir(folder)) == [
+            "optimizer.pt", "pytorch_model.bin", "rng_state.pth", "scheduler.pt", "trainer_state.json"
+        ]
+    with SyncCheckpointer([FileTier(tmp_path / "store")]) as check:
+        saved = check.restore(3)
+    assert set(saved) == {"format", "model", "optimizer", "scheduler", "scaler", "rng", "trainer_state"}
+    assert '"global_step": 3' in saved["trainer_state"]
+
+
+def test_keep_trainer_save_keeps_the_trainers_folders(tmp_path: Path) -> None:
+    with LazyCheckpointCallback(chain(tmp_path), keep_trainer_save=True) as cb:
+        train(tmp_path, model(), [cb], num_train_epochs=1)
+        assert cb.checkpointer.steps() == [2, 4]
+    assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")) == [
+        "checkpoint-2", "checkpoint-4"
+    ]
+
+
+def test_failed_snapshot_does_not_stop_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    broken = FaultyTier(FileTier(tmp_path / "store"))
+    broken.break_("commit")
+    m = model()
+    with (
+        caplog.at_level(logging.ERROR, logger="lazyckpt.integrations.huggingface"),
+        LazyCheckpointCallback([HostMemoryTier(16 << 20), broken], retries=0) as cb,
+    ):
+        train(tmp_path, m, [cb], num_train_epochs=1)
+    assert len(m.losses) == SAMPLES // BATCH
+    assert "FAILED" in caplog.text
+
+
+@pytest.mark.slow
+def test_example_hf_trainer_runs() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300,
+        cwd=example.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "lazyckpt steps: [4, 8, 12]" in out.stdout
+    assert "losses identical bit for bit" in out.stdout
+
+
+def test_load_best_model_at_end_needs_the_trainers_folders(tmp_path: Path) -> None:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), load_best_model_at_end=True, eval_strategy="steps",
+        eval_steps=2, save_steps=2, report_to=[], use_cpu=True, max_steps=2,
+    )
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        trainer = transformers.Trainer(
+            model=model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(), callbacks=[cb]
+        )
+        with pytest.raises(ConfigurationError, match="keep_trainer_save"):
+            trainer.train()
+
+
+@pytest.mark.slow
+def test_resume_with_gradient_accumulation(tmp_path: Path) -> None:
+    # 2 micro-batches an update: 2 updates an epoch, snapshots at updates 2, 4, 6
+    straight = model()
+    train(tmp_path / "plain", straight, [], gradient_accumulation_steps=2)
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        train(tmp_path, model(), [cb], gradient_accumulation_steps=2)
+        assert cb.checkpointer.steps() == [2, 4, 6]
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        resumed = model(seed=5)
+        train(tmp_path / "r", resumed, [cb], gradient_accumulation_steps=2, resume=cb.checkpoint_dir(2))
+    assert resumed.losses == straight.losses[2 * 2 :]  # a loss per micro-batch

@@ -1,0 +1,277 @@
+"""LazyCheckpointIO against the real PyTorch Lightning Trainer, on CPU with a tiny model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed")
+
+import pytorch_lightning as pl
+
+from lazyckpt import ConfigurationError, SyncCheckpointer
+from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
+from lazyckpt.testing import FaultyTier
+from tiers import FileTier, HostMemoryTier
+
+pytestmark = [
+    # Lightning's advice for real runs (more data-loader workers, logging intervals) is noise here
+    pytest.mark.filterwarnings("ignore::lightning_fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
+]
+
+BATCHES = 4  # per epoch
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, width: int = 8, lr: float = 0.05, seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(BATCHES * 8, 4, generator=g)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
+
+
+def trainer(root: Path, *, epochs: int, plugins: list[Any], callbacks: list[Any]) -> Any:
+    return pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        plugins=plugins,
+        callbacks=callbacks,
+        deterministic=True,
+    )
+
+
+def chain(root: Path, **kw: Any) -> list[Any]:
+    return [HostMemoryTier(8 << 20), FileTier(root / "store", **kw)]
+
+
+def every_epoch(root: Path, **kw: Any) -> Any:
+    return pl.callbacks.ModelCheckpoint(
+        dirpath=str(root / "ckpts"), every_n_epochs=1, save_top_k=-1, save_last=True, **kw
+    )
+
+
+@pytest.mark.slow
+def test_resume_from_lazyckpt_continues_bit_identically(tmp_path: Path) -> None:
+    straight = Tiny()
+    trainer(tmp_path / "a", epochs=4, plugins=[], callbacks=[]).fit(straight)
+
+    io = LazyCheckpointIO(chain(tmp_path))
+    first = Tiny()
+    trainer(tmp_path, epochs=2, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(first)
+    io.close()
+    assert first.losses == straight.losses[: 2 * BATCHES]
+
+    ckpts = tmp_path / "ckpts"
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert [read_pointer(str(ckpts / n)) for n in sorted(os.listdir(ckpts))] == [4, 8, 8]
+    with SyncCheckpointer([FileTier(tmp_path / "store")]) as check:
+        assert check.steps() == [4, 8]
+
+    # a fresh model (other initial weights), fresh tiers, resumed from the 'last' path
+    io = LazyCheckpointIO(chain(tmp_path))
+    resumed = Tiny(seed=123)
+    trainer(tmp_path, epochs=4, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(
+        resumed, ckpt_path="last"
+    )
+    assert io.checkpointer.steps() == [4, 8, 12, 16]  # save_top_k=-1: every step stays
+    io.close()
+    assert resumed.losses == straight.losses[2 * BATCHES :]
+    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_dict_round_trips(tmp_path: Path) -> None:
+    def best(root: Path) -> Any:  # best_k_models is keyed by absolute paths, with tensors
+        return pl.callbacks.ModelCheckpoint(
+            dirpath=str(root / "ckpts"), monitor="train_loss", save_top_k=2, save_last=True,
+            every_n_train_steps=1,
+        )
+
+    io = LazyCheckpointIO(chain(tmp_path))
+    trainer(tmp_path, epochs=1, plugins=[io], callbacks=[io, best(tmp_path)]).fit(Tiny(6, 0.1))
+    loaded = io.load_checkpoint(tmp_path / "ckpts" / "last.ckpt")
+    io.close()
+    plain = pl.plugins.TorchCheckpointIO()
+    root = tmp_path / "plain"
+    trainer(root, epochs=1, plugins=[plain], callbacks=[best(root)]).fit(Tiny(6, 0.1))
+    expected = plain.load_checkpoint(root / "ckpts" / "last.ckpt")
+
+    assert loaded.keys() == expected.keys()
+    assert loaded["hyper_parameters"] == {"width": 6, "lr": 0.1, "seed": 0}
+    assert loaded["global_step"] == BATCHES
+    for key in ("loops", "lr_schedulers", "epoch", "hparams_name"):
+        assert loaded[key] == expected[key], key
+    assert loaded["optimizer_states"][0]["param_groups"] == expected["optimizer_states"][0]["param_groups"]
+    for k, v in expected["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][k], v)
+    (cb_key,) = [k for k in expected["callbacks"] if k.startswith("ModelCheckpoint")]
+    got, want = loaded["callbacks"][cb_key], expected["callbacks"][cb_key]
+    assert got.keys() == want.keys()
+    assert {Path(p).name: v for p, v in got["best_k_models"].items()} == {
+        Path(p).name: v for p, v in want["best_k_models"].items()
+    }
+    assert len(got["best_k_models"]) == 2 and all(
+        Path(p).is_absolute() and isinstance(v, torch.Tensor) for p, v in got["best_k_models"].items()
+    )
+
+
+def test_top_k_removal_deletes_steps(tmp_path: Path) -> None:
+    io = LazyCheckpointIO(chain(tmp_path))
+    keep2 = pl.callbacks.ModelCheckpoint(
+        dirpath=str(tmp_path / "ckpts"), monitor="step", mode="max", save_top_k=2,
+        every_n_train_steps=1,
+    )
+    trainer(tmp_path, epochs=2, plugins=[io], callbacks=[io, keep2]).fit(Tiny())
+    names = sorted(os.listdir(tmp_path / "ckpts"))
+    assert names == ["epoch=1-step=7.ckpt", "epoch=1-step=8.ckpt"]
+    assert io.checkpointer.steps() == [7, 8]
+    io.close()
+
+
+def test_retention_that_would_drop_a_kept_checkpoint_is_refused(tmp_path: Path) -> None:
+    io = LazyCheckpointIO(chain(tmp_path, keep_last=3))
+    best = pl.callbacks.ModelCheckpoint(
+        dirpath=str(tmp_path / "ckpts"), monitor="train_loss", save_top_k=2
+    )
+    with pytest.raises(ConfigurationError, match="retention"):
+        trainer(tmp_path, epochs=1, plugins=[io], callbacks=[io, best]).fit(Tiny())
+    io.close()
+    io = LazyCheckpointIO(chain(tmp_path, keep_last=1))
+    latest = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), save_last=True)
+    with pytest.raises(ConfigurationError, match="keep_last to at least 2"):
+        trainer(tmp_path, epochs=1, plugins=[io], callbacks=[io, latest]).fit(Tiny())
+    io.close()
+
+
+def test_callback_only_installs_itself(tmp_path: Path) -> None:
+    io = LazyCheckpointIO(chain(tmp_path))
+    t = trainer(tmp_path, epochs=1, plugins=[], callbacks=[io, every_epoch(tmp_path)])
+    t.fit(Tiny())
+    assert t.strategy.checkpoint_io is io
+    assert read_pointer(str(tmp_path / "ckpts" / "last.ckpt")) == BATCHES
+    io.close()
+
+
+def test_plugin_only_waits_for_each_capture_and_warns(tmp_path: Path) -> None:
+    io = LazyCheckpointIO(chain(tmp_path))
+    with pytest.warns(UserWarning, match="not registered as a callback"):
+        trainer(tmp_path, epochs=2, plugins=[io], callbacks=[every_epoch(tmp_path)]).fit(Tiny())
+    assert io.checkpointer.steps() == [4, 8]
+    io.close()
+
+
+def test_failed_save_does_not_stop_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    broken = FaultyTier(FileTier(tmp_path / "store"))
+    broken.break_("commit")
+    io = LazyCheckpointIO([HostMemoryTier(8 << 20), broken], retries=0)
+    model = Tiny()
+    with caplog.at_level(logging.ERROR, logger="lazyckpt.integrations.lightning"):
+        trainer(tmp_path, epochs=2, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(model)
+    assert len(model.losses) == 2 * BATCHES  # training ran to the end
+    assert "FAILED" in caplog.text
+    assert not (tmp_path / "ckpts").exists() or os.listdir(tmp_path / "ckpts") == []
+    io.close()
+
+
+def test_path_appears_only_once_the_step_is_durable(tmp_path: Path) -> None:
+    slow = FaultyTier(FileTier(tmp_path / "store"))
+    io = LazyCheckpointIO([HostMemoryTier(8 << 20), slow], deadline=None)
+    slow.hang("commit")
+    path = tmp_path / "ckpts" / "a.ckpt"
+    w = torch.ones(4)
+    with pytest.warns(UserWarning, match="not registered as a callback"):
+        io.save_checkpoint({"global_step": 3, "w": w}, path)
+    w.add_(1)  # outside training the save waited for its capture: this change is not in it
+    assert not path.exists()
+    slow.heal()
+    io.teardown()
+    assert read_pointer(str(path)) == 3
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.ones(4))
+    io.remove_checkpoint(path)
+    assert not path.exists() and io.checkpointer.steps() == []
+    io.close()
+
+
+def test_a_step_no_path_names_any_more_is_deleted(tmp_path: Path) -> None:
+    path = tmp_path / "ckpts" / "last.ckpt"
+    for step in (1, 2):  # two runs, each with its own object, overwriting the same path
+        with LazyCheckpointIO(chain(tmp_path)) as io:
+            io._guarded = io._training = True  # as inside fit, with the callback
+            io.save_checkpoint({"global_step": step, "w": torch.full((3,), step)}, path)
+            io.teardown()
+            assert read_pointer(str(path)) == step
+            assert io.checkpointer.steps() == [step]
+
+
+def test_plain_checkpoint_files_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "plain.ckpt"
+    torch.save({"global_step": 1, "w": torch.arange(3)}, path)
+    io = LazyCheckpointIO(chain(tmp_path))
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(3))
+    io.close()
+
+
+@pytest.mark.slow
+def test_example_lightning_train_runs() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "lightning_train.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300,
+        cwd=example.parent.parent,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "last.ckpt              -> lazyckpt step 16" in out.stdout
+    assert "losses identical bit for bit" in out.stdout
+
+
+def test_keys_lazyckpt_would_refuse_round_trip(tmp_path: Path) -> None:
+    odd = {
+        "global_step": 5,
+        "by_path": {"/abs/epoch=1.ckpt": torch.tensor(0.5), "": torch.ones(2), "..": [1, (2, 3)]},
+        "lazyckpt.items": {"x": torch.zeros(1)},
+        "ints": {0: {"exp_avg": torch.arange(3)}},
+    }
+    with LazyCheckpointIO(chain(tmp_path)) as io:
+        io._guarded = io._training = True
+        io.save_checkpoint(odd, tmp_path / "odd.ckpt")
+        io.teardown()
+        back = io.load_checkpoint(tmp_path / "odd.ckpt")
+    assert back.keys() == odd.keys()
+    assert list(back["by_path"]) == ["/abs/epoch=1.ckpt", "", ".."]
+    assert torch.equal(back["by_path"]["/abs/epoch=1.ckpt"], torch.tensor(0.5))
+    assert back["by_path"][".."] == [1, (2, 3)]
+    assert torch.equal(back["lazyckpt.items"]["x"], torch.zeros(1))
+    assert torch.equal(back["ints"][0]["exp_avg"], torch.arange(3))
