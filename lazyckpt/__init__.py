@@ -44,6 +44,7 @@ from ._metrics import (
     export_prometheus,
     install_log_context,
 )
+from ._preemption import DrainReport
 from ._restore import VerifyReport, strip_prefix
 from ._state import ShardState, TierLevel
 from ._tier import (
@@ -70,6 +71,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptionError",
     "DeadlineExceededError",
+    "DrainReport",
     "ForeignLocationError",
     "HostArena",
     "ImmutabilityViolationError",

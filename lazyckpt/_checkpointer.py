@@ -7,11 +7,12 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
+import signal
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
@@ -36,7 +37,8 @@ from ._errors import (
 )
 from ._gc import collector_paused
 from ._manifest import LayoutOptions, Manifest, plan_layout
-from ._restore import VerifyReport, committed_steps, restore_state, verify_step
+from ._preemption import DrainReport, PreemptionHandler, check_signals
+from ._restore import VerifyReport, committed_steps, restore_lazily, restore_state, verify_step
 from ._tier import SupportsStaging, Tier
 from ._tree import TensorRef, walk_state
 
@@ -181,6 +183,8 @@ class _Core:
         lazy: Sequence[str],
         verify_sources: bool,
         exit_timeout: float,
+        preemption_signals: Any,
+        preemption_grace: float,
     ) -> None:
         if on_failure not in ("warn", "raise"):
             raise ConfigurationError(f"on_failure must be 'warn' or 'raise', got {on_failure!r}")
@@ -188,6 +192,9 @@ class _Core:
             raise ConfigurationError(f"verify_sources must be True or False, got {verify_sources!r}")
         if not exit_timeout >= 0:
             raise ConfigurationError(f"exit_timeout must be seconds >= 0, got {exit_timeout!r}")
+        signals, self.preemption_grace = check_signals(preemption_signals, preemption_grace)
+        self.preemption = PreemptionHandler(signals, self._on_preemption)
+        self.preempted: int | None = None  # the signal that stopped snapshots
         self.policy = EagerPolicy(eager_bytes, eager, lazy)
         self.on_failure = on_failure
         self.verify_sources = verify_sources
@@ -227,6 +234,10 @@ class _Core:
         self._plan_cache: tuple[tuple[Any, ...], Manifest] | None = None
         self._at_exit: Callable[[], None] | None = None
         self._owned_cache: tuple[tuple[Any, ...], set[int]] | None = None
+        # lazy restores: per guarded optimizer (by id) the future of its state's restore,
+        # and the engine-side tasks still loading (close and the next restore wait for them)
+        self._restoring: dict[int, concurrent.futures.Future[None]] = {}
+        self._lazy_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def cuda(self) -> CudaCapture | None:
@@ -269,7 +280,19 @@ class _Core:
                 "steps must increase. After a rollback, start a new directory or delete "
                 "the newer snapshots first (ckpt.delete(step))."
             )
+        if self.preempted is not None:
+            # draining for a preemption: a new snapshot could not become durable in time
+            # and would only delay the exit; the trainer may still run a few steps
+            self.engine.skipped += 1
+            warnings.warn(
+                f"snapshot of step {step} skipped: the job is being preempted (signal "
+                f"{self.preempted}); the snapshots taken before it were drained",
+                SnapshotSkippedWarning,
+                stacklevel=stacklevel,
+            )
+            return SnapshotHandle(self.engine, None, step)
         self.report_failures()
+        self.wait_restored_blocking()  # a snapshot must not see half-loaded optimizer state
         with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
             tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
             # before anything can change them: copy what a forward pass may change (see
@@ -416,6 +439,11 @@ class _Core:
             )
 
         def wait() -> None:
+            # a lazy restore still loading this optimizer's state holds its step; a failed
+            # one raises: stepping on state that was not restored would corrupt training
+            restoring = self._restoring.get(id(opt))
+            if restoring is not None:
+                restoring.result()
             # never raises into the optimizer step: a failed snapshot must not cost a
             # training step; failures go to the handle, the log, metrics and the policy
             if self._closing:
@@ -440,11 +468,50 @@ class _Core:
         self._guards.append((opt, handle))
         return handle
 
+    def lazy_targets(self, into: Any) -> dict[Any, torch.optim.Optimizer]:
+        """The top-level entries of ``into`` that a lazy restore defers: the optimizers
+        (or their wrappers) that ``guard()`` watches, by key."""
+        if not isinstance(into, Mapping):
+            raise ConfigurationError(
+                "restore(lazy=True) needs into= a mapping whose entries include the guarded "
+                f"optimizers, got {type(into).__qualname__}"
+            )
+        live = {id(opt): opt for opt, handle in self._guards if _installed(opt, handle)}
+        found: dict[Any, torch.optim.Optimizer] = {}
+        for key, value in into.items():
+            try:
+                opt = unwrap_optimizer(value)
+            except ConfigurationError:
+                continue
+            if id(opt) in live:
+                found[key] = opt
+        return found
+
+    def wait_restored_blocking(self) -> None:
+        """Block until every lazy restore has loaded its optimizers' state (any thread but
+        the engine's); a failed one is not raised here (the guarded step raises it)."""
+        pending = [f for f in self._restoring.values() if not f.done()]
+        if pending:
+            concurrent.futures.wait(pending)
+
+    async def settle_lazy(self) -> None:
+        """Wait (engine loop) for the lazy restores still loading."""
+        while self._lazy_tasks:
+            await asyncio.wait(set(self._lazy_tasks))
+
     async def restore_on_engine(
-        self, step: int | None, into: Any, map_location: torch.device | str | None
+        self,
+        step: int | None,
+        into: Any,
+        map_location: torch.device | str | None,
+        lazy: bool = False,
     ) -> Any:
         if step is not None and (type(step) is not int or step < 0):
             raise ConfigurationError(f"step must be a non-negative int or None, got {step!r}")
+        if type(lazy) is not bool:
+            raise ConfigurationError(f"lazy must be True or False, got {lazy!r}")
+        deferred = self.lazy_targets(into) if lazy else {}
+        await self.settle_lazy()  # one restore at a time into the same optimizers
         if step is None and self.engine.coordinator is not None:
             agreed = await self.steps_on_engine()  # all ranks restore the same step
             if not agreed:
@@ -455,6 +522,7 @@ class _Core:
         manifest, sources = await read_base_manifest(self.engine.tiers, step, rank, world)
         protected = self.engine.protected
         protected[manifest.step] = protected.get(manifest.step, 0) + 1
+        handed_over = False
         try:
             if needs_resharding(manifest, into, rank, world):
                 return await restore_resharded(
@@ -467,6 +535,19 @@ class _Core:
                     map_location=map_location,
                     allow_pickle=self.options.allow_pickle,
                 )
+            if deferred:
+                rest = await restore_lazily(
+                    manifest,
+                    sources,
+                    into=into,
+                    deferred=set(deferred),
+                    map_location=map_location,
+                    allow_pickle=self.options.allow_pickle,
+                )
+                if rest is not None:
+                    self._start_lazy(manifest.step, rest, deferred.values())
+                    handed_over = True  # the rest of the restore unprotects the step
+                    return into
             return await restore_state(
                 manifest,
                 sources,
@@ -475,9 +556,51 @@ class _Core:
                 allow_pickle=self.options.allow_pickle,
             )
         finally:
-            protected[manifest.step] -= 1
-            if not protected[manifest.step]:
-                del protected[manifest.step]
+            if not handed_over:
+                self._unprotect(manifest.step)
+
+    def _unprotect(self, step: int) -> None:
+        protected = self.engine.protected
+        protected[step] -= 1
+        if not protected[step]:
+            del protected[step]
+
+    def _start_lazy(
+        self,
+        step: int,
+        rest: Callable[[], Awaitable[None]],
+        optimizers: Iterable[torch.optim.Optimizer],
+    ) -> None:
+        """Load the deferred optimizer state in the background (engine loop); each
+        optimizer's guard holds its step until it is done."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        optimizers = list(optimizers)
+        for opt in optimizers:
+            self._restoring[id(opt)] = done
+
+        async def run() -> None:
+            try:
+                await rest()
+            except BaseException as exc:
+                log.error(
+                    "lazyckpt: the lazy restore of step %d could not load the optimizer "
+                    "state: %s; the guarded optimizer.step() raises it",
+                    step, exc, extra={"step": step},
+                )
+                done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                done.set_result(None)
+                for opt in optimizers:  # loaded: nothing left for the guard to wait for
+                    if self._restoring.get(id(opt)) is done:
+                        del self._restoring[id(opt)]
+            finally:
+                self._unprotect(step)
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"lazyckpt-lazy-restore-{step}")
+        self._lazy_tasks.add(task)
+        task.add_done_callback(self._lazy_tasks.discard)
 
     async def verify_on_engine(self, step: int | None) -> VerifyReport:
         if step is not None and (type(step) is not int or step < 0):
@@ -557,7 +680,74 @@ class _Core:
             raise errors[0]
 
     async def close_on_engine(self) -> None:
+        await self.settle_lazy()
         await self.engine.close()
+
+    async def drain_on_engine(self, timeout: float | None) -> DrainReport:  # noqa: ASYNC109
+        """Wait (engine loop) until every snapshot in flight is done, for at most
+        ``timeout`` seconds, and report what reached where; see :meth:`Checkpointer.drain`."""
+        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+            raise ConfigurationError(f"timeout must be seconds >= 0 or None, got {timeout!r}")
+        engine = self.engine
+        t0 = time.perf_counter()
+        watched = dict(engine.flights)
+        timed_out = False
+        try:
+            # the engine moves every shard down the chain in order, so waiting is all a
+            # drain does: the fastest durable tier has each shard first
+            await asyncio.wait_for(engine.drain(), timeout)
+        except TimeoutError:
+            timed_out = True
+        watched.update(engine.flights)  # submitted meanwhile (from another thread)
+        names = [n for n in engine.stage_names if not n.startswith("<")]
+        reached: dict[int, tuple[str, ...]] = {}
+        failed: dict[int, tuple[str, ...]] = {}
+        pending: dict[int, tuple[str, ...]] = {}
+        for step, flight in sorted(watched.items()):
+            futures = [(n, flight.reached[n]) for n in names]
+            got = tuple(n for n, f in futures if f.done() and f.exception() is None)
+            bad = tuple(n for n, f in futures if f.done() and f.exception() is not None)
+            left = tuple(n for n, f in futures if not f.done())
+            reached[step] = got
+            if bad:
+                failed[step] = bad
+            if left:
+                pending[step] = left
+        durable: dict[str, int | None] = {}
+        for tier in engine.durable:
+            steps = [s.step for s in engine.history if tier.name in s.reached_s]
+            steps += [step for step, got in reached.items() if tier.name in got]
+            durable[tier.name] = max(steps, default=None)
+        return DrainReport(
+            reached=reached,
+            failed=failed,
+            pending=pending,
+            durable=durable,
+            timed_out=timed_out,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _on_preemption(self, signum: int) -> None:
+        """The preemption handler's work (main thread): stop snapshots, drain within the
+        grace period, log which step is durable where."""
+        first = self.preempted is None
+        self.preempted = signum
+        name = _signal_name(signum)
+        if self.engine.closed or not self.engine.opened:
+            return
+        log.warning(
+            "lazyckpt: %s received: no new snapshots; draining %d in flight for up to %.0f s",
+            name, len(self.engine.flights), self.preemption_grace,
+        )
+        future = self.engine.loop.submit(self.drain_on_engine(self.preemption_grace))
+        try:
+            # a little beyond the grace: the drain itself stops waiting at the grace
+            report = future.result(self.preemption_grace + 1.0)
+        except concurrent.futures.TimeoutError:
+            log.warning("lazyckpt: %s: the drain did not answer within the grace period", name)
+            return
+        level = logging.WARNING if not report.complete else logging.INFO
+        log.log(level, "lazyckpt: drained on %s%s: %s", name, "" if first else " (again)", report.summary())
 
     def _register_exit(self) -> None:
         """Close at interpreter exit a Checkpointer its owner never closed (the trainer
@@ -615,6 +805,7 @@ class _Core:
             )
 
     def finish_close(self) -> None:
+        self.preemption.uninstall()
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)  # threading's hook is a no-op once closed
             self._at_exit = None
@@ -631,6 +822,13 @@ class _Core:
             raise SnapshotFailedError(
                 f"{len(errors)} snapshots failed", errors, step=-1, tiers=self.engine.stage_names
             )
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _tags(tree: Any) -> set[str]:
@@ -751,6 +949,8 @@ _DEFAULTS: dict[str, Any] = {
     "lazy": (),
     "verify_sources": False,
     "exit_timeout": 10.0,
+    "preemption_signals": (),
+    "preemption_grace": 25.0,
 }
 
 
@@ -820,6 +1020,17 @@ class Checkpointer:
         exit_timeout: a Checkpointer never closed (the trainer raised) is closed at
             interpreter exit: its pending snapshots get this many seconds to drain
             (default 10), then are abandoned with one warning.
+        preemption_signals: signals announcing a preemption (e.g. ``(signal.SIGTERM,)``;
+            SIGUSR1 and the like, as schedulers send them). On one of them the handler
+            installed at ``open()`` (main thread only) stops taking snapshots (later
+            ``snapshot()`` calls return a skipped handle, with a
+            :class:`SnapshotSkippedWarning`), drains for at most ``preemption_grace``
+            seconds, logs which step is durable on which tier, and then lets the signal
+            take its usual course: the handler installed before it runs, or the default
+            action (SIGTERM ends the process). Closing restores the previous handler.
+            Default: none. See ``docs/guarantees.md`` ("Preemption").
+        preemption_grace: seconds the preemption handler drains at most (default 25: most
+            schedulers kill 30 s after the notice).
         distributed: coordinate commits with the other ranks over torch.distributed
             (``None``: when it is initialized with more than one rank). Then every rank
             must open the Checkpointer, snapshot the same steps in the same order, and
@@ -841,7 +1052,12 @@ class Checkpointer:
         with self._core._open_lock:
             if self._core.engine.opened:
                 return self
-        await self._call(self._core.open_on_engine())
+        self._core.preemption.install()  # first: it refuses outside the main thread
+        try:
+            await self._call(self._core.open_on_engine())
+        except BaseException:
+            self._core.preemption.uninstall()
+            raise
         return self
 
     async def __aenter__(self) -> Checkpointer:
@@ -910,6 +1126,7 @@ class Checkpointer:
         *,
         into: Any = None,
         map_location: torch.device | str | None = None,
+        lazy: bool = False,
     ) -> Any:
         """Restore a committed snapshot, bit for bit.
 
@@ -918,13 +1135,21 @@ class Checkpointer:
             into: a mapping of live tensors / Stateful objects to load into in place
                 (tensors keep their device and identity); it is returned.
             map_location: device for new tensors (default CPU).
+            lazy: return as soon as everything but the state of the optimizers in
+                ``into`` that ``guard()`` watches is in place; their state streams in
+                behind, while the first forward and backward passes run. Each guarded
+                ``optimizer.step()`` (after the closure, with a closure) waits until its
+                optimizer's state is loaded, and raises if that failed; ``snapshot()``
+                and the next ``restore()`` wait for it too. Without such an optimizer in
+                ``into``, or with device (CUDA) targets or resharding, the restore is
+                eager. The result is bit for bit the eager one.
 
         Reads from the fastest tier holding the step, falling back tier by tier and shard
         by shard on corruption or loss. Cancelling it may leave ``into`` partly loaded.
         """
         self._core.check_open()
         await self.wait_captured()
-        return await self._call(self._core.restore_on_engine(step, into, map_location))
+        return await self._call(self._core.restore_on_engine(step, into, map_location, lazy))
 
     async def steps(self) -> list[int]:
         """Steps committed on at least one tier, ascending."""
@@ -951,6 +1176,24 @@ class Checkpointer:
         check its checksum; report the damage per tier. Changes nothing."""
         self._core.check_open()
         return await self._call(self._core.verify_on_engine(step))
+
+    async def drain(self, timeout: float | None = None) -> DrainReport:  # noqa: ASYNC109 (the drain runs on the engine loop, which is what the timeout bounds)
+        """Make every snapshot taken so far durable on the chain's tiers and say what
+        reached where.
+
+        Waits until each snapshot in flight is committed on every tier (each shard moves
+        down the chain in order, so the fastest durable tier has it first) or failed, for
+        at most ``timeout`` seconds (``None``: no limit). Snapshots may still be taken
+        meanwhile; those submitted before the drain ends are waited for too. Raises no
+        snapshot's failure: the report lists it (and the failure policy still applies).
+        Cancelling it only stops the waiting.
+
+        Returns:
+            A :class:`DrainReport`: per step the tiers reached, failed and still pending,
+            and per durable tier the newest step committed there.
+        """
+        self._core.check_open()
+        return await self._call(self._core.drain_on_engine(timeout))
 
     def metrics(self) -> dict[str, Any]:
         """Bytes and throughput per tier, shards in flight, arena use, recent timings."""
@@ -993,7 +1236,12 @@ class SyncCheckpointer:
     def open(self) -> SyncCheckpointer:
         """See :meth:`Checkpointer.open`."""
         if not self._core.engine.opened:
-            self._call(self._core.open_on_engine)
+            self._core.preemption.install()  # first: it refuses outside the main thread
+            try:
+                self._call(self._core.open_on_engine)
+            except BaseException:
+                self._core.preemption.uninstall()
+                raise
         return self
 
     def __enter__(self) -> SyncCheckpointer:
@@ -1022,11 +1270,12 @@ class SyncCheckpointer:
         *,
         into: Any = None,
         map_location: torch.device | str | None = None,
+        lazy: bool = False,
     ) -> Any:
         """See :meth:`Checkpointer.restore`."""
         self._core.check_open()
         self._core.wait_captured_blocking()
-        return self._call(lambda: self._core.restore_on_engine(step, into, map_location))
+        return self._call(lambda: self._core.restore_on_engine(step, into, map_location, lazy))
 
     def steps(self) -> list[int]:
         """See :meth:`Checkpointer.steps`."""
@@ -1042,6 +1291,11 @@ class SyncCheckpointer:
         """See :meth:`Checkpointer.verify`."""
         self._core.check_open()
         return self._call(lambda: self._core.verify_on_engine(step))
+
+    def drain(self, timeout: float | None = None) -> DrainReport:
+        """See :meth:`Checkpointer.drain`."""
+        self._core.check_open()
+        return self._call(lambda: self._core.drain_on_engine(timeout))
 
     def metrics(self) -> dict[str, Any]:
         """See :meth:`Checkpointer.metrics`."""

@@ -22,7 +22,15 @@ import dataclasses
 import math
 import random
 import warnings
-from collections.abc import Hashable, Mapping, MutableMapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Hashable,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -58,6 +66,7 @@ __all__ = [
     "apply_into",
     "committed_steps",
     "read_manifest",
+    "restore_lazily",
     "restore_state",
     "strip_prefix",
     "verify_step",
@@ -349,6 +358,99 @@ async def restore_state(
         apply_into(into, state)  # outside the pause: it runs the objects' load_state_dict
         return into
     return state
+
+
+async def restore_lazily(
+    manifest: Manifest,
+    sources: Sequence[Tier],
+    *,
+    into: Mapping[Any, Any],
+    deferred: Collection[Any],
+    map_location: torch.device | str | None,
+    allow_pickle: bool,
+    concurrency: int = 4,
+) -> Callable[[], Awaitable[None]] | None:
+    """Restore everything but the top-level entries ``deferred`` of ``into`` now, and
+    return the coroutine function that restores those (the guarded optimizers' state).
+
+    The shards holding any tensor outside ``deferred`` are read first and those tensors
+    loaded into ``into``; the rest is left for the returned function, which loads only the
+    deferred entries (so it never overwrites what the caller changed meanwhile: a forward
+    pass updates BatchNorm statistics). Returns None, having read nothing, where the
+    restore cannot be split (device targets are restored in one pass): restore eagerly."""
+    if manifest.pickled and not allow_pickle:
+        decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
+    dests = _Destinations(manifest, into, map_location)
+    if any(t is not None and t.device.type == "cuda" for t in dests.final):
+        return None
+    later = {_escape(str(k)) for k in deferred}
+    tensors = manifest.tensors
+    first = {
+        i for i, meta in enumerate(tensors) if meta.key.split("/", 1)[0] not in later
+    }
+    for i in sorted(first):  # an early tensor aliasing a later one needs the later one now
+        target = tensors[i].alias_of
+        while target is not None:
+            first.add(target)
+            target = tensors[target].alias_of
+    now = [sh for sh in manifest.shards if any(seg.tensor in first for seg in sh.segments)]
+    rest = [sh for sh in manifest.shards if not any(seg.tensor in first for seg in sh.segments)]
+    problems: list[Exception] = []
+    done: list[Any] = [None] * len(tensors)
+    await _read_shards(manifest, now, sources, dests, problems, concurrency)
+    _finish_some(dests, done, first)
+    state = decode_tree(manifest.tree, done, allow_pickle=allow_pickle)
+    apply_into(into, {k: v for k, v in state.items() if k not in deferred})
+
+    async def finish() -> None:
+        await _read_shards(manifest, rest, sources, dests, problems, concurrency)
+        _finish_some(dests, done, set(range(len(tensors))) - first)
+        full = decode_tree(manifest.tree, done, allow_pickle=allow_pickle)
+        apply_into(into, {k: v for k, v in full.items() if k in deferred})
+
+    return finish
+
+
+async def _read_shards(
+    manifest: Manifest,
+    shards: Sequence[ShardMeta],
+    sources: Sequence[Tier],
+    dests: _Destinations,
+    problems: list[Exception],
+    concurrency: int,
+) -> None:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(shard: ShardMeta) -> None:
+        async with sem:
+            await _restore_shard(manifest, shard, sources, dests, problems)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for shard in shards:
+                tg.create_task(one(shard))
+    except ExceptionGroup as group:
+        first = group.exceptions[0]
+        while isinstance(first, ExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+
+
+def _finish_some(dests: _Destinations, out: list[Any], indices: Collection[int]) -> None:
+    """:meth:`_Destinations.finish` for the tensors ``indices`` only, into ``out``."""
+    tensors = dests.manifest.tensors
+    for i in sorted(indices):  # an alias refers to an earlier tensor
+        meta = tensors[i]
+        if meta.alias_of is not None:
+            out[i] = out[meta.alias_of]
+            continue
+        final, staging = dests.final[i], dests.staging[i]
+        assert final is not None and staging is not None
+        if final is not staging:
+            final.copy_(staging)
+        elif dests.device is not None and dests.device != final.device:
+            final = final.to(dests.device)
+        out[i] = dests.wrappers.get(i, final)
 
 
 def apply_into(into: Any, restored: Any, key: str = "") -> None:

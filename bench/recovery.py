@@ -1,0 +1,204 @@
+"""Recovery time: from a restarted process to its first optimizer step.
+
+    python bench/recovery.py                  # about two minutes on 2 CPUs
+    python bench/recovery.py --model-mib 16 --rounds 1     # a quick look
+
+A model of ``--model-mib`` MiB (fp32 MLP) with AdamW, whose state is twice the model, is
+trained one step and checkpointed once through a chain of a node-local ``FileTier`` and a
+"parallel file system" tier (a ``FileTier`` behind a throttle: ``--pfs-mib-s`` MiB/s per
+process, shared by its concurrent reads, and ``--pfs-latency-ms`` per call, a model of a shared PFS under load; this
+machine has none), and once with ``torch.distributed.checkpoint.save``. Then each case
+runs in a fresh process, as a restarted job does:
+
+- ``local eager`` / ``local lazy``: the restarted job's chain is host, local, PFS; the host
+  tier is empty, the local tier survived, so the restore reads it (eager or
+  ``lazy=True``);
+- ``pfs eager`` / ``pfs lazy``: the node was replaced, the local copy is gone: the
+  restore reads the PFS tier;
+- ``dcp.load``: ``torch.distributed.checkpoint.load`` from the local directory, then
+  ``set_state_dict``.
+
+Each case reports: process start to first optimizer step (``start_to_step``, which includes
+importing torch), and from the restore call: to its return, to the end of the first
+forward and backward pass (``to_forward``), and to the end of the first optimizer step
+(``to_step``). Cases alternate in order between rounds. The page cache is not dropped:
+the local tier reads from memory, as a tmpfs one would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CASES = ["local eager", "local lazy", "pfs eager", "pfs lazy", "dcp.load"]
+
+
+def build(model_mib: int) -> tuple[Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    width = 1024
+    layers = max(1, model_mib * (1 << 20) // (4 * width * width))
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*blocks)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train_step(model: Any, optim: Any, forward_done: list[float] | None = None) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 1024, generator=g)
+    optim.zero_grad()
+    torch.autograd.backward(model(x).square().mean())
+    if forward_done is not None:
+        forward_done.append(time.perf_counter())
+    optim.step()
+
+
+def chain(root: Path, args: argparse.Namespace, with_local: bool) -> list[Any]:
+    import asyncio
+
+    from lazyckpt import TierLevel
+    from lazyckpt.testing import FaultyTier
+    from tiers import FileTier, HostMemoryTier
+
+    class ThrottledTier(FaultyTier):
+        """Reads at ``--pfs-mib-s`` MiB/s in all (concurrent reads share it) with
+        ``--pfs-latency-ms`` per call."""
+
+        free_at = 0.0  # when the link is free again (engine loop time)
+
+        async def read_shard(self, manifest: Any, shard: Any, out: memoryview) -> None:
+            now = asyncio.get_running_loop().time()
+            self.free_at = max(now, self.free_at) + len(out) / (args.pfs_mib_s * (1 << 20))
+            await asyncio.sleep(self.free_at - now)
+            await super().read_shard(manifest, shard, out)
+
+    pfs = ThrottledTier(FileTier(root / "pfs", name="pfs"))
+    pfs.delay_s = args.pfs_latency_ms / 1000
+    pfs.level = TierLevel.PFS  # a shared file system, behind the local tier
+    tiers: list[Any] = [HostMemoryTier(32 << 20)]
+    if with_local:
+        tiers.append(FileTier(root / "local", name="local"))
+    return [*tiers, pfs]
+
+
+def setup(root: Path, args: argparse.Namespace) -> int:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    import lazyckpt
+
+    model, optim = build(args.model_mib)
+    train_step(model, optim)
+    tiers = chain(root, args, with_local=True)
+    tiers[-1].delay_s = 0.0
+    with lazyckpt.SyncCheckpointer(tiers, shard_size=8 << 20) as ckpt:
+        ckpt.snapshot({"model": model, "optim": optim}, step=1).wait()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "dcp"))
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def child(root: Path, case: str, started: float, args: argparse.Namespace) -> dict[str, float]:
+    """One restarted process: restore, first forward/backward, first step."""
+    import lazyckpt
+
+    model, optim = build(args.model_mib)
+    forward: list[float] = []
+    t0 = time.perf_counter()
+    if case == "dcp.load":
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        model_sd, optim_sd = get_state_dict(model, optim)
+        dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "dcp"))
+        set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        returned = time.perf_counter()
+        train_step(model, optim, forward)
+    else:
+        where, mode = case.split()
+        tiers = chain(root, args, with_local=where == "local")
+        with lazyckpt.SyncCheckpointer(tiers, shard_size=8 << 20) as ckpt:
+            ckpt.guard(optim)
+            ckpt.restore(1, into={"model": model, "optim": optim}, lazy=mode == "lazy")
+            returned = time.perf_counter()
+            train_step(model, optim, forward)
+    stepped = time.perf_counter()
+    return {
+        "start_to_step": time.time() - started - (time.perf_counter() - stepped),
+        "restore_returned": returned - t0,
+        "to_forward": forward[0] - t0,
+        "to_step": stepped - t0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-mib", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pfs-mib-s", type=float, default=400.0)
+    parser.add_argument("--pfs-latency-ms", type=float, default=5.0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", nargs=3, metavar=("ROOT", "CASE", "STARTED"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        root, case, started = args.child
+        print(json.dumps(child(Path(root), case, float(started), args)))
+        return
+
+    root = Path(tempfile.mkdtemp(prefix="lazyckpt-recovery-"))
+    try:
+        model_bytes = setup(root, args)
+        results: dict[str, list[dict[str, float]]] = {c: [] for c in CASES}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        for r in range(args.rounds):
+            order = CASES[r % len(CASES):] + CASES[: r % len(CASES)]
+            for case in order:
+                common = [
+                    "--model-mib", str(args.model_mib),
+                    "--pfs-mib-s", str(args.pfs_mib_s),
+                    "--pfs-latency-ms", str(args.pfs_latency_ms),
+                ]
+                started = time.time()
+                out = subprocess.run(
+                    [sys.executable, __file__, *common, "--child", str(root), case, repr(started)],
+                    capture_output=True, text=True, env=env, timeout=600, check=False,
+                )
+                if out.returncode:
+                    raise SystemExit(f"{case}: {out.stderr[-3000:]}")
+                results[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(case, results[case][-1], flush=True)
+        summary = {
+            "model_bytes": model_bytes,
+            "state_bytes": model_bytes * 3,
+            "pfs_mib_s": args.pfs_mib_s,
+            "pfs_latency_ms": args.pfs_latency_ms,
+            "rounds": args.rounds,
+            "median": {
+                case: {k: sorted(x[k] for x in runs)[len(runs) // 2] for k in runs[0]}
+                for case, runs in results.items()
+            },
+            "runs": results,
+        }
+        print(json.dumps(summary["median"], indent=1))
+        if args.out is not None:
+            args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
