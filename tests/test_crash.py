@@ -213,3 +213,161 @@ async def test_two_writers_and_a_foreign_one_harm_nothing(kind: str, tmp_path: P
                     pass
             assert tree(location) == before
     assert refused >= 1
+
+
+# -- through the framework integrations' save paths ---------------------------------------
+
+# a few kills per integration in `make test`, many more in `make soak`
+INTEGRATION_KILLS = max(3, KILLS // 6)
+DCP_CHILD = Path(__file__).parent / "crash_child_dcp.py"
+DS_CHILD = Path(__file__).parent / "crash_child_deepspeed.py"
+
+
+def run_and_read(
+    argv: list[str], env: dict[str, str], kill_after: float | None
+) -> tuple[int, list[str]]:
+    """Run a child (killed after ``kill_after`` seconds, if given) and return its exit code
+    and the lines it printed; a child that fails other than by SIGKILL fails the test."""
+    proc = subprocess.Popen(
+        [sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    if kill_after is not None:
+        try:
+            proc.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+    try:
+        out, err = proc.communicate(timeout=170)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"child failed ({proc.returncode}): {err.decode()[-3000:]}")
+    return proc.returncode, out.decode().splitlines()
+
+
+def kill_env(rng: random.Random, trial: int, points: list[str], most: int) -> tuple[str, dict[str, str]]:
+    """Every third trial a kill from outside at a random moment (label ``random``, no
+    crash point); otherwise the next named point, reached 1 to ``most`` times."""
+    env = dict(os.environ)
+    env.pop("LAZYCKPT_CRASH_AT", None)
+    if trial % 3 == 2:
+        return "random", env
+    label = points[trial % len(points)]
+    env["LAZYCKPT_CRASH_AT"] = f"{label}:{rng.randint(1, most)}"
+    return label, env
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning", "ignore::FutureWarning"
+)
+def test_kill_during_dcp_async_save_keeps_the_last_commit(tmp_path: Path) -> None:
+    """``dcp.async_save`` through LazyStorageWriter, killed anywhere: ``dcp.load`` through
+    LazyStorageReader finds the latest committed step bit for bit, never loses a step whose
+    ``upload_completion`` resolved, and a step that was not committed cannot be loaded."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    from lazyckpt.integrations.dcp import LazyStorageReader
+    from tiers import FileTier
+
+    rng = random.Random(4321)
+    points = [p for p in POINTS if not p.startswith("zarr.")]
+    survived: Counter[str] = Counter()
+    latest: int | None = None
+    for trial in range(INTEGRATION_KILLS):
+        label, env = kill_env(rng, trial, points, 10)
+        kill_after = rng.uniform(0.8, 3.0) if label == "random" else None
+        first = 0 if latest is None else latest + 1
+        argv = [str(DCP_CHILD), str(tmp_path), str(first), str(first + 6)]
+        code, lines = run_and_read(argv, env, kill_after)
+        staged = [int(x.split()[1]) for x in lines if x.startswith("staged ")]
+        durable = [int(x.split()[1]) for x in lines if x.startswith("durable ")]
+        with lazyckpt.SyncCheckpointer([FileTier(tmp_path / "file")]) as ckpt:
+            steps = ckpt.steps()
+            found = steps[-1] if steps else None
+            if latest is not None:
+                assert found is not None and found >= latest, "a committed step was lost"
+            if durable:  # upload_completion said so: it must be there
+                assert found is not None and found >= max(durable), f"step {max(durable)} lost"
+            if found is not None:
+                template = state_of(0)  # loaded into: tensors overwritten, values replaced
+                load(template, checkpoint_id=None, storage_reader=LazyStorageReader(ckpt))
+                assert equal(template, state_of(found)), f"step {found} differs"
+            for step in set(staged) - set(steps):  # begun, not committed: not loadable
+                with pytest.raises(lazyckpt.SnapshotNotFoundError):
+                    load(state_of(0), checkpoint_id=step, storage_reader=LazyStorageReader(ckpt))
+        latest = found
+        survived[label if code else f"{label} (not reached)"] += 1
+    assert sum(n for k, n in survived.items() if "not reached" not in k) >= INTEGRATION_KILLS // 2
+    print(f"dcp: kills survived by point: {dict(survived)}")
+
+
+def same_as_torch_load(a: object, b: object) -> bool:
+    """Equal as ``torch.load`` results (DeepSpeed's config objects, which have no
+    ``__eq__``, by type and repr)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            same_as_torch_load(a[k], b[k]) for k in a
+        )
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_as_torch_load, a, b))
+    if type(a).__module__.startswith("deepspeed"):
+        return type(a) is type(b) and repr(a) == repr(b)
+    return bool(a == b)
+
+
+def check_deepspeed(root: Path) -> int:
+    """DeepSpeed's ``latest`` names a tag every file of which loads through lazyckpt bit
+    for bit as the reference saved with DeepSpeed's default engine; its global step."""
+    from lazyckpt.integrations.deepspeed import LazyCheckpointEngine
+    from tiers import FileTier, HostMemoryTier
+
+    tag = (root / "ds" / "latest").read_text()
+    assert tag.startswith("step"), f"latest names {tag!r}"
+    names = sorted(p.name for p in (root / "ds" / tag).iterdir())
+    assert names == sorted(p.name for p in (root / "ref" / tag).iterdir()), names
+    engine = LazyCheckpointEngine([HostMemoryTier(8 << 20), FileTier(root / "tiers")])
+    try:
+        for name in names:
+            path = root / "ds" / tag / name
+            assert path.read_bytes()[:1] == b"{", f"{path} is not a lazyckpt pointer"
+            got = engine.load(str(path))
+            want = torch.load(root / "ref" / tag / name, weights_only=False)
+            assert same_as_torch_load(got, want), f"{path} differs from what was saved"
+    finally:
+        engine.cleanup()
+    return int(tag.removeprefix("step"))
+
+
+@pytest.mark.slow
+def test_kill_under_deepspeed_latest_names_a_durable_tag(tmp_path: Path) -> None:
+    """A DeepSpeed job checkpointing every step through LazyCheckpointEngine (both ``wait``
+    modes), killed anywhere and restarted from ``latest``: ``latest`` always names a tag
+    that loads bit for bit, and never moves back."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    env.pop("LAZYCKPT_CRASH_AT", None)
+    # a first run, not killed: DeepSpeed builds its CPU communication op on first use
+    # (cached afterwards), which would otherwise eat the random kills' time window
+    code, _ = run_and_read([str(DS_CHILD), str(tmp_path), "2", "durable"], env, None)
+    assert code == 0
+    latest = check_deepspeed(tmp_path)
+    rng = random.Random(77)
+    points = [p for p in POINTS if not p.startswith("zarr.")]
+    survived: Counter[str] = Counter()
+    for trial in range(INTEGRATION_KILLS):
+        label, env = kill_env(rng, trial, points, 6)
+        env["DS_ACCELERATOR"] = "cpu"
+        kill_after = rng.uniform(2.0, 7.0) if label == "random" else None
+        wait = ("durable", "captured")[trial % 2]
+        code, _ = run_and_read([str(DS_CHILD), str(tmp_path), "4", wait], env, kill_after)
+        found = check_deepspeed(tmp_path)
+        assert found >= latest, f"latest moved back from step{latest} to step{found}"
+        latest = found
+        survived[f"{label} ({wait})" if code else f"{label} ({wait}, not reached)"] += 1
+    assert sum(n for k, n in survived.items() if "not reached" not in k) >= INTEGRATION_KILLS // 2
+    print(f"deepspeed: kills survived by point: {dict(survived)}")
