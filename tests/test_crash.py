@@ -254,7 +254,7 @@ def kill_env(rng: random.Random, trial: int, points: list[str], most: int) -> tu
     env.pop("LAZYCKPT_CRASH_AT", None)
     if trial % 3 == 2:
         return "random", env
-    label = points[trial % len(points)]
+    label = points[(trial - trial // 3) % len(points)]  # each point in turn
     env["LAZYCKPT_CRASH_AT"] = f"{label}:{rng.randint(1, most)}"
     return label, env
 
@@ -267,6 +267,7 @@ def test_kill_during_dcp_async_save_keeps_the_last_commit(tmp_path: Path) -> Non
     """``dcp.async_save`` through LazyStorageWriter, killed anywhere: ``dcp.load`` through
     LazyStorageReader finds the latest committed step bit for bit, never loses a step whose
     ``upload_completion`` resolved, and a step that was not committed cannot be loaded."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load
 
     from lazyckpt.integrations.dcp import LazyStorageReader
@@ -296,8 +297,12 @@ def test_kill_during_dcp_async_save_keeps_the_last_commit(tmp_path: Path) -> Non
                 load(template, checkpoint_id=None, storage_reader=LazyStorageReader(ckpt))
                 assert equal(template, state_of(found)), f"step {found} differs"
             for step in set(staged) - set(steps):  # begun, not committed: not loadable
-                with pytest.raises(lazyckpt.SnapshotNotFoundError):
+                with pytest.raises(CheckpointException) as failed:  # DCP wraps the reader's
                     load(state_of(0), checkpoint_id=step, storage_reader=LazyStorageReader(ckpt))
+                # DCP hands on lazyckpt's SnapshotNotFoundError, or (a failed metadata read)
+                # only its message
+                error, _ = failed.value.failures[0]
+                assert f"step {step} is not committed on any tier" in str(error), error
         latest = found
         survived[label if code else f"{label} (not reached)"] += 1
     assert sum(n for k, n in survived.items() if "not reached" not in k) >= INTEGRATION_KILLS // 2
@@ -371,3 +376,28 @@ def test_kill_under_deepspeed_latest_names_a_durable_tag(tmp_path: Path) -> None
         survived[f"{label} ({wait})" if code else f"{label} ({wait}, not reached)"] += 1
     assert sum(n for k, n in survived.items() if "not reached" not in k) >= INTEGRATION_KILLS // 2
     print(f"deepspeed: kills survived by point: {dict(survived)}")
+
+
+def test_deepspeed_pointer_left_torn_by_a_kill_is_cleaned(tmp_path: Path) -> None:
+    """A writer killed while it wrote a tag's pointer files leaves a temporary file beside
+    them; the next save of that tag (a restarted job reaches the same global step) must not
+    leave it in DeepSpeed's directory."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+
+    from lazyckpt.integrations.deepspeed import LazyCheckpointEngine
+    from tiers import FileTier, HostMemoryTier
+
+    tag_dir = tmp_path / "ds" / "step3"
+    tag_dir.mkdir(parents=True)
+    torn = tag_dir / "model.pt.tmp.999999"  # what _write_durably leaves when killed mid-way
+    torn.write_bytes(b'{"format": "lazyckpt-deep')
+    engine = LazyCheckpointEngine([HostMemoryTier(4 << 20), FileTier(tmp_path / "tiers")])
+    try:
+        info = CheckpointCommitInfo(tag="step3", save_dir=str(tmp_path / "ds"), save_latest=True)
+        engine.create(info)
+        engine.save({"w": torch.ones(4)}, str(tag_dir / "model.pt"))
+        assert engine.commit(info)
+    finally:
+        engine.cleanup()
+    assert sorted(p.name for p in tag_dir.iterdir()) == ["model.pt"]

@@ -40,6 +40,8 @@ from writing ``latest`` (its decoupled path reads the flag after ``commit`` retu
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import glob
 import json
 import logging
 import os
@@ -482,9 +484,15 @@ def _agree(ok: bool) -> bool:
 
 
 def _write_durably(path: str, data: bytes) -> None:
-    """Write ``path`` atomically (temporary file, fsync, rename, fsync of the directory)."""
+    """Write ``path`` atomically (temporary file, fsync, rename, fsync of the directory).
+
+    Temporary files of ``path`` that a killed writer left (a restarted job saves the same
+    tag again) are removed first: one writer per location, so none of them is in use."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
+    for stale in glob.glob(f"{glob.escape(path)}.tmp.*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
