@@ -78,6 +78,26 @@ def main(root: Path, steps: int, wait: str) -> None:
     print("finished", flush=True)
 
 
+def die_while_deepspeed_writes_latest() -> None:
+    """SIGKILL this process the moment DeepSpeed's engine opens ``latest`` for writing
+    (``open(path, "w")`` has truncated it, the tag is not written yet): the window a kill
+    can land in whenever DeepSpeed itself writes ``latest``."""
+    import builtins
+    import signal
+
+    import deepspeed.runtime.engine as ds_engine
+
+    def dying_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115  # the caller closes it
+        if str(file).endswith("latest") and "w" in mode:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return handle
+
+    ds_engine.open = dying_open  # shadows the builtin in that module
+
+
 if __name__ == "__main__":
+    if os.environ.get("LAZYCKPT_KILL_IN_LATEST"):
+        die_while_deepspeed_writes_latest()
     deepspeed.init_distributed(dist_backend="gloo")
     main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
