@@ -414,3 +414,67 @@ def test_kill_while_latest_is_written_under_deepspeed(tmp_path: Path) -> None:
     env.pop("LAZYCKPT_CRASH_AT", None)
     run_and_read([str(DS_CHILD), str(tmp_path), "2", "durable"], env, None)
     assert check_deepspeed(tmp_path) == 2
+
+
+LIGHTNING_CHILD = Path(__file__).parent / "crash_child_lightning.py"
+
+
+@pytest.mark.slow
+def test_kill_under_lightning_every_pointer_file_loads(tmp_path: Path) -> None:
+    """LazyCheckpointIO saving as ModelCheckpoint does (``save_top_k`` 0, 1 or 2 files,
+    ``last.ckpt``, older files removed), killed anywhere: every pointer file left loads bit for bit, and
+    ``last.ckpt`` never moves back."""
+    pytest.importorskip("lightning_fabric", reason="Lightning is not installed")
+    from crash_child_lightning import checkpoint_of
+
+    from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
+    from tiers import FileTier
+
+    rng = random.Random(2024)
+    points = [p for p in POINTS if not p.startswith("zarr.")]
+    survived: Counter[str] = Counter()
+    last: int | None = None
+    for trial in range(INTEGRATION_KILLS):
+        label, env = kill_env(rng, trial, points, 4)
+        kill_after = rng.uniform(0.8, 3.0) if label == "random" else None
+        first = 0 if last is None else last + 1
+        keep = (1, 0, 2)[trial % 3]  # save_top_k: only last.ckpt is the hardest case
+        argv = [str(LIGHTNING_CHILD), str(tmp_path), str(first), str(first + 6), str(keep)]
+        code, _ = run_and_read(argv, env, kill_after)
+        folder = tmp_path / "ckpts"
+        with LazyCheckpointIO([FileTier(tmp_path / "tiers")]) as io:
+            for path in sorted(folder.glob("*.ckpt")) if folder.exists() else []:
+                step = read_pointer(str(path))
+                assert step is not None, f"{path} is not a pointer file"
+                loaded = io.load_checkpoint(path)
+                assert equal(loaded, checkpoint_of(step)), f"{path} (step {step}) differs"
+            found = read_pointer(str(folder / "last.ckpt")) if (folder / "last.ckpt").exists() else None
+        if last is not None:
+            assert found is not None and found >= last, f"last.ckpt moved back from {last}"
+        last = found
+        survived[f"{label} (top {keep})" if code else f"{label} (top {keep}, not reached)"] += 1
+    assert sum(n for k, n in survived.items() if "not reached" not in k) >= INTEGRATION_KILLS // 2
+    print(f"lightning: kills survived by point: {dict(survived)}")
+
+
+def test_lightning_last_ckpt_survives_a_kill_before_its_next_step_commits(tmp_path: Path) -> None:
+    """``last.ckpt`` alone (``save_top_k=0``): saving step 1 over it must not delete step 0,
+    which the file on disk names, before step 1 is committed and the file rewritten; the
+    writer is killed just before step 1's commit."""
+    pytest.importorskip("lightning_fabric", reason="Lightning is not installed")
+    from crash_child_lightning import checkpoint_of
+
+    from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
+    from tiers import FileTier
+
+    # a pause after each step, so that step 0's pointer is down before step 1 is saved
+    env = dict(
+        os.environ, LAZYCKPT_CRASH_AT="file.commit.before_manifest:2", LAZYCKPT_CHILD_PAUSE="1"
+    )
+    argv = [str(LIGHTNING_CHILD), str(tmp_path), "0", "3", "0"]
+    code, _ = run_and_read(argv, env, None)
+    assert code == -signal.SIGKILL
+    last = tmp_path / "ckpts" / "last.ckpt"
+    assert read_pointer(str(last)) == 0
+    with LazyCheckpointIO([FileTier(tmp_path / "tiers")]) as io:
+        assert equal(io.load_checkpoint(last), checkpoint_of(0))
