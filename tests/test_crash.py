@@ -457,6 +457,7 @@ def test_kill_under_lightning_every_pointer_file_loads(tmp_path: Path) -> None:
     print(f"lightning: kills survived by point: {dict(survived)}")
 
 
+@pytest.mark.slow
 def test_lightning_last_ckpt_survives_a_kill_before_its_next_step_commits(tmp_path: Path) -> None:
     """``last.ckpt`` alone (``save_top_k=0``): saving step 1 over it must not delete step 0,
     which the file on disk names, before step 1 is committed and the file rewritten; the
