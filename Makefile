@@ -24,7 +24,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # 200 kills at every pipeline point and at random, then 20 rounds of a second writer started
-# beside a live or a killed one plus a writer of the other tier kind on the same location
+# beside a live or a killed one plus a writer of the other tier kind on the same location,
+# and 33 kills each through dcp.async_save, a DeepSpeed job (LazyCheckpointEngine) and
+# Lightning's LazyCheckpointIO
 soak: $(STAMP)
 	LAZYCKPT_SOAK_KILLS=200 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py
 

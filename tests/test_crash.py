@@ -213,3 +213,271 @@ async def test_two_writers_and_a_foreign_one_harm_nothing(kind: str, tmp_path: P
                     pass
             assert tree(location) == before
     assert refused >= 1
+
+
+# -- through the framework integrations' save paths ---------------------------------------
+
+# a few kills per integration in `make test`, many more in `make soak`
+INTEGRATION_KILLS = max(3, KILLS // 6)
+DCP_CHILD = Path(__file__).parent / "crash_child_dcp.py"
+DS_CHILD = Path(__file__).parent / "crash_child_deepspeed.py"
+
+
+def run_and_read(
+    argv: list[str], env: dict[str, str], kill_after: float | None
+) -> tuple[int, list[str]]:
+    """Run a child (killed after ``kill_after`` seconds, if given) and return its exit code
+    and the lines it printed; a child that fails other than by SIGKILL fails the test."""
+    proc = subprocess.Popen(
+        [sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    if kill_after is not None:
+        try:
+            proc.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+    try:
+        out, err = proc.communicate(timeout=170)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"child failed ({proc.returncode}): {err.decode()[-3000:]}")
+    return proc.returncode, out.decode().splitlines()
+
+
+def kill_env(rng: random.Random, trial: int, points: list[str], most: int) -> tuple[str, dict[str, str]]:
+    """Every third trial a kill from outside at a random moment (label ``random``, no
+    crash point); otherwise the next named point, reached 1 to ``most`` times."""
+    env = dict(os.environ)
+    env.pop("LAZYCKPT_CRASH_AT", None)
+    if trial % 3 == 2:
+        return "random", env
+    label = points[(trial - trial // 3) % len(points)]  # each point in turn
+    env["LAZYCKPT_CRASH_AT"] = f"{label}:{rng.randint(1, most)}"
+    return label, env
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning", "ignore::FutureWarning"
+)
+def test_kill_during_dcp_async_save_keeps_the_last_commit(tmp_path: Path) -> None:
+    """``dcp.async_save`` through LazyStorageWriter, killed anywhere: ``dcp.load`` through
+    LazyStorageReader finds the latest committed step bit for bit, never loses a step whose
+    ``upload_completion`` resolved, and a step that was not committed cannot be loaded."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    from lazyckpt.integrations.dcp import LazyStorageReader
+    from tiers import FileTier
+
+    rng = random.Random(4321)
+    points = [p for p in POINTS if not p.startswith("zarr.")]
+    survived: Counter[str] = Counter()
+    latest: int | None = None
+    for trial in range(INTEGRATION_KILLS):
+        label, env = kill_env(rng, trial, points, 4)
+        kill_after = rng.uniform(0.8, 3.0) if label == "random" else None
+        first = 0 if latest is None else latest + 1
+        argv = [str(DCP_CHILD), str(tmp_path), str(first), str(first + 6)]
+        code, lines = run_and_read(argv, env, kill_after)
+        staged = [int(x.split()[1]) for x in lines if x.startswith("staged ")]
+        durable = [int(x.split()[1]) for x in lines if x.startswith("durable ")]
+        with lazyckpt.SyncCheckpointer([FileTier(tmp_path / "file")]) as ckpt:
+            steps = ckpt.steps()
+            found = steps[-1] if steps else None
+            if latest is not None:
+                assert found is not None and found >= latest, "a committed step was lost"
+            if durable:  # upload_completion said so: it must be there
+                assert found is not None and found >= max(durable), f"step {max(durable)} lost"
+            if found is not None:
+                template = state_of(0)  # loaded into: tensors overwritten, values replaced
+                load(template, checkpoint_id=None, storage_reader=LazyStorageReader(ckpt))
+                assert equal(template, state_of(found)), f"step {found} differs"
+            for step in set(staged) - set(steps):  # begun, not committed: not loadable
+                with pytest.raises(CheckpointException) as failed:  # DCP wraps the reader's
+                    load(state_of(0), checkpoint_id=step, storage_reader=LazyStorageReader(ckpt))
+                # DCP hands on lazyckpt's SnapshotNotFoundError, or (a failed metadata read)
+                # only its message
+                error, _ = failed.value.failures[0]
+                assert f"step {step} is not committed on any tier" in str(error), error
+        latest = found
+        survived[label if code else f"{label} (not reached)"] += 1
+    assert sum(n for k, n in survived.items() if "not reached" not in k) >= INTEGRATION_KILLS // 2
+    print(f"dcp: kills survived by point: {dict(survived)}")
+
+
+def same_as_torch_load(a: object, b: object) -> bool:
+    """Equal as ``torch.load`` results (DeepSpeed's config objects, which have no
+    ``__eq__``, by type and repr)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            same_as_torch_load(a[k], b[k]) for k in a
+        )
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_as_torch_load, a, b))
+    if type(a).__module__.startswith("deepspeed"):
+        return type(a) is type(b) and repr(a) == repr(b)
+    return bool(a == b)
+
+
+def check_deepspeed(root: Path) -> int:
+    """DeepSpeed's ``latest`` names a tag every file of which loads through lazyckpt bit
+    for bit as the reference saved with DeepSpeed's default engine; its global step."""
+    from lazyckpt.integrations.deepspeed import LazyCheckpointEngine
+    from tiers import FileTier, HostMemoryTier
+
+    tag = (root / "ds" / "latest").read_text()
+    assert tag.startswith("step"), f"latest names {tag!r}"
+    names = sorted(p.name for p in (root / "ds" / tag).iterdir())
+    assert names == sorted(p.name for p in (root / "ref" / tag).iterdir()), names
+    engine = LazyCheckpointEngine([HostMemoryTier(8 << 20), FileTier(root / "tiers")])
+    try:
+        for name in names:
+            path = root / "ds" / tag / name
+            assert path.read_bytes()[:1] == b"{", f"{path} is not a lazyckpt pointer"
+            got = engine.load(str(path))
+            want = torch.load(root / "ref" / tag / name, weights_only=False)
+            assert same_as_torch_load(got, want), f"{path} differs from what was saved"
+    finally:
+        engine.cleanup()
+    return int(tag.removeprefix("step"))
+
+
+@pytest.mark.slow
+def test_kill_under_deepspeed_latest_names_a_durable_tag(tmp_path: Path) -> None:
+    """A DeepSpeed job checkpointing every step through LazyCheckpointEngine (both ``wait``
+    modes), killed anywhere and restarted from ``latest``: ``latest`` always names a tag
+    that loads bit for bit, and never moves back."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    env.pop("LAZYCKPT_CRASH_AT", None)
+    # a first run, not killed: DeepSpeed builds its CPU communication op on first use
+    # (cached afterwards), which would otherwise eat the random kills' time window
+    code, _ = run_and_read([str(DS_CHILD), str(tmp_path), "2", "durable"], env, None)
+    assert code == 0
+    latest = check_deepspeed(tmp_path)
+    rng = random.Random(77)
+    points = [p for p in POINTS if not p.startswith("zarr.")]
+    survived: Counter[str] = Counter()
+    for trial in range(INTEGRATION_KILLS):
+        label, env = kill_env(rng, trial, points, 3)
+        env["DS_ACCELERATOR"] = "cpu"
+        kill_after = rng.uniform(1.5, 5.0) if label == "random" else None
+        wait = ("durable", "captured")[trial % 2]
+        code, _ = run_and_read([str(DS_CHILD), str(tmp_path), "4", wait], env, kill_after)
+        found = check_deepspeed(tmp_path)
+        assert found >= latest, f"latest moved back from step{latest} to step{found}"
+        latest = found
+        survived[f"{label} ({wait})" if code else f"{label} ({wait}, not reached)"] += 1
+    assert sum(n for k, n in survived.items() if "not reached" not in k) >= INTEGRATION_KILLS // 2
+    print(f"deepspeed: kills survived by point: {dict(survived)}")
+
+
+def test_deepspeed_pointer_left_torn_by_a_kill_is_cleaned(tmp_path: Path) -> None:
+    """A writer killed while it wrote a tag's pointer files leaves a temporary file beside
+    them; the next save of that tag (a restarted job reaches the same global step) must not
+    leave it in DeepSpeed's directory."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+
+    from lazyckpt.integrations.deepspeed import LazyCheckpointEngine
+    from tiers import FileTier, HostMemoryTier
+
+    tag_dir = tmp_path / "ds" / "step3"
+    tag_dir.mkdir(parents=True)
+    torn = tag_dir / "model.pt.tmp.999999"  # what _write_durably leaves when killed mid-way
+    torn.write_bytes(b'{"format": "lazyckpt-deep')
+    engine = LazyCheckpointEngine([HostMemoryTier(4 << 20), FileTier(tmp_path / "tiers")])
+    try:
+        info = CheckpointCommitInfo(tag="step3", save_dir=str(tmp_path / "ds"), save_latest=True)
+        engine.create(info)
+        engine.save({"w": torch.ones(4)}, str(tag_dir / "model.pt"))
+        assert engine.commit(info)
+    finally:
+        engine.cleanup()
+    assert sorted(p.name for p in tag_dir.iterdir()) == ["model.pt"]
+
+
+@pytest.mark.slow
+def test_kill_while_latest_is_written_under_deepspeed(tmp_path: Path) -> None:
+    """DeepSpeed writes ``latest`` by truncating it and writing the tag, without fsync: a
+    kill in between leaves it empty. With LazyCheckpointEngine a kill at that moment (the
+    child dies as soon as DeepSpeed's engine opens ``latest`` to write) must leave a
+    ``latest`` that names a tag which loads."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", LAZYCKPT_KILL_IN_LATEST="1")
+    env.pop("LAZYCKPT_CRASH_AT", None)
+    run_and_read([str(DS_CHILD), str(tmp_path), "2", "durable"], env, None)
+    assert check_deepspeed(tmp_path) == 2
+
+
+LIGHTNING_CHILD = Path(__file__).parent / "crash_child_lightning.py"
+
+
+@pytest.mark.slow
+def test_kill_under_lightning_every_pointer_file_loads(tmp_path: Path) -> None:
+    """LazyCheckpointIO saving as ModelCheckpoint does (``save_top_k`` 0, 1 or 2 files,
+    ``last.ckpt``, older files removed), killed anywhere: every pointer file left loads bit for bit, and
+    ``last.ckpt`` never moves back."""
+    pytest.importorskip("lightning_fabric", reason="Lightning is not installed")
+    from crash_child_lightning import checkpoint_of
+
+    from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
+    from tiers import FileTier
+
+    rng = random.Random(2024)
+    points = [p for p in POINTS if not p.startswith("zarr.")]
+    survived: Counter[str] = Counter()
+    last: int | None = None
+    for trial in range(INTEGRATION_KILLS):
+        label, env = kill_env(rng, trial, points, 4)
+        kill_after = rng.uniform(0.8, 3.0) if label == "random" else None
+        first = 0 if last is None else last + 1
+        # save_top_k, varied across the named and the random kills (0, only last.ckpt, is
+        # the hardest case: nothing else names the step it replaces)
+        keep = (trial + trial // 3) % 3
+        argv = [str(LIGHTNING_CHILD), str(tmp_path), str(first), str(first + 6), str(keep)]
+        code, _ = run_and_read(argv, env, kill_after)
+        folder = tmp_path / "ckpts"
+        with LazyCheckpointIO([FileTier(tmp_path / "tiers")]) as io:
+            for path in sorted(folder.glob("*.ckpt")) if folder.exists() else []:
+                step = read_pointer(str(path))
+                assert step is not None, f"{path} is not a pointer file"
+                loaded = io.load_checkpoint(path)
+                assert equal(loaded, checkpoint_of(step)), f"{path} (step {step}) differs"
+            found = read_pointer(str(folder / "last.ckpt")) if (folder / "last.ckpt").exists() else None
+        if last is not None:
+            assert found is not None and found >= last, f"last.ckpt moved back from {last}"
+        last = found
+        survived[f"{label} (top {keep})" if code else f"{label} (top {keep}, not reached)"] += 1
+    assert sum(n for k, n in survived.items() if "not reached" not in k) >= INTEGRATION_KILLS // 2
+    print(f"lightning: kills survived by point: {dict(survived)}")
+
+
+@pytest.mark.slow
+def test_lightning_last_ckpt_survives_a_kill_before_its_next_step_commits(tmp_path: Path) -> None:
+    """``last.ckpt`` alone (``save_top_k=0``): saving step 1 over it must not delete step 0,
+    which the file on disk names, before step 1 is committed and the file rewritten; the
+    writer is killed just before step 1's commit."""
+    pytest.importorskip("lightning_fabric", reason="Lightning is not installed")
+    from crash_child_lightning import checkpoint_of
+
+    from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
+    from tiers import FileTier
+
+    # a pause after each step, so that step 0's pointer is down before step 1 is saved
+    env = dict(
+        os.environ, LAZYCKPT_CRASH_AT="file.commit.before_manifest:2", LAZYCKPT_CHILD_PAUSE="1"
+    )
+    argv = [str(LIGHTNING_CHILD), str(tmp_path), "0", "3", "0"]
+    code, _ = run_and_read(argv, env, None)
+    assert code == -signal.SIGKILL
+    last = tmp_path / "ckpts" / "last.ckpt"
+    assert read_pointer(str(last)) == 0
+    with LazyCheckpointIO([FileTier(tmp_path / "tiers")]) as io:
+        assert equal(io.load_checkpoint(last), checkpoint_of(0))

@@ -23,23 +23,27 @@ How one ``engine.save_checkpoint(save_dir, tag)`` flows through it:
    optimizer step (the engine is *decoupled*). ``commit`` waits until the step is committed on
    the last tier, then writes at each file's path a small JSON *pointer* (step, tag, key),
    fsync'd, so DeepSpeed's own checks on its directory (``glob``, ``os.path.exists``) still
-   hold. Only then does DeepSpeed write ``latest``: it never names a tag that is not durable.
-   With ``wait="captured"`` the commit waits only for the capture (what the optimizer step
-   needs), keeps DeepSpeed from writing ``latest``, and a thread of this engine writes the
+   hold. Only then is ``latest`` written, by this engine (rank 0), atomically and fsync'd:
+   it never names a tag that is not durable. ``commit`` clears ``info.save_latest`` so that
+   DeepSpeed does not write it again its own way (truncate, then write, no fsync: a kill in
+   between would leave ``latest`` empty). With ``wait="captured"`` the commit waits only for
+   the capture (what the optimizer step needs), and a thread of this engine writes the
    pointers and ``latest`` once the step is durable: training never waits for storage.
 5. ``load(path)`` reads the pointer and restores the file's state from the fastest tier that
    holds the step; a file that is not a pointer (a checkpoint saved by DeepSpeed's default
    engine) is read with ``torch.load``.
 
 A failed checkpoint never stops training: ``commit`` logs the failure (logger
-``lazyckpt.deepspeed``), returns False and clears ``info.save_latest``, which keeps DeepSpeed
-from writing ``latest`` (its decoupled path reads the flag after ``commit`` returns), so
-``latest`` keeps naming the last good tag.
+``lazyckpt.deepspeed``), returns False and writes no ``latest`` (DeepSpeed's decoupled path
+reads ``info.save_latest``, always cleared, after ``commit`` returns), so ``latest`` keeps
+naming the last good tag.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import glob
 import json
 import logging
 import os
@@ -100,7 +104,7 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
             ``ZarrTier``).
         wait: what DeepSpeed's commit (in the ``step()`` after a checkpoint, before the
             optimizer step) waits for. ``"durable"`` (default): the step committed on the last
-            tier; DeepSpeed then writes ``latest``, as with its other engines. ``"captured"``:
+            tier; ``latest`` is then written, as with DeepSpeed's engines. ``"captured"``:
             only the capture; ``latest`` (and the pointer files) are written by this engine
             when the step is durable, later, and a checkpoint that fails on a tier after its
             capture is only logged (``latest`` keeps naming the last durable tag).
@@ -235,8 +239,9 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make the tag durable: wait until its step is committed on the last tier, then
         write the pointer files (``wait="captured"``: wait for the capture only, and publish
-        later). Returns False (and clears ``info.save_latest``, so that DeepSpeed leaves
-        ``latest`` alone) when the checkpoint failed; never raises for a failed checkpoint."""
+        later), then (``"durable"``, rank 0) ``latest``. Always clears ``info.save_latest``:
+        this engine writes ``latest`` itself, atomically. Returns False when the checkpoint
+        failed (``latest`` left alone); never raises for a failed checkpoint."""
         with self._lock:
             group = self._group
             if group is None or group.info.tag != info.tag or group.info.save_dir != info.save_dir:
@@ -249,8 +254,12 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
                 info.save_latest = False
                 return False
             ok = self._finish(group)
-            if not ok or self.wait == "captured":
-                info.save_latest = False  # the publisher writes it once durable
+            if ok and self.wait == "durable" and info.save_latest:
+                ok = self._write_latest(info)
+            # DeepSpeed's own write of 'latest' truncates it before writing the tag (and does
+            # not fsync): a kill in between leaves it empty. This engine writes it atomically
+            # (above, or from the publisher once durable), so DeepSpeed is told not to.
+            info.save_latest = False
             return ok
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
@@ -310,15 +319,23 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
             if group is None:
                 return True
             ok = self._finish(group)
-            if ok and group.info.save_latest and self.wait == "durable" and _rank() == 0:
-                try:
-                    _write_durably(os.path.join(group.info.save_dir, "latest"), group.info.tag.encode())
-                except OSError as exc:
-                    log.error("checkpoint %r: could not write 'latest': %s", group.info.tag, exc)
-                    return False
+            if ok and group.info.save_latest and self.wait == "durable":
+                ok = self._write_latest(group.info)
             return ok
 
     # -- inside ------------------------------------------------------------------------------
+
+    def _write_latest(self, info: CheckpointCommitInfo) -> bool:
+        """On rank 0, point ``latest`` at ``info.tag`` atomically and durably; False if
+        that failed (logged)."""
+        if _rank() != 0:
+            return True
+        try:
+            _write_durably(os.path.join(info.save_dir, "latest"), info.tag.encode())
+        except OSError as exc:
+            log.error("checkpoint %r: could not write 'latest': %s", info.tag, exc)
+            return False
+        return True
 
     def _check_open(self) -> None:
         if self._closed:
@@ -482,9 +499,15 @@ def _agree(ok: bool) -> bool:
 
 
 def _write_durably(path: str, data: bytes) -> None:
-    """Write ``path`` atomically (temporary file, fsync, rename, fsync of the directory)."""
+    """Write ``path`` atomically (temporary file, fsync, rename, fsync of the directory).
+
+    Temporary files of ``path`` that a killed writer left (a restarted job saves the same
+    tag again) are removed first: one writer per location, so none of them is in use."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
+    for stale in glob.glob(f"{glob.escape(path)}.tmp.*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

@@ -343,12 +343,16 @@ class LazyCheckpointIO(_Bases):
         self._track(path, step, handle)
 
     def _track(self, path: str, step: int, handle: SnapshotHandle | None) -> None:
-        """Map ``path`` to ``step`` and write its pointer once the step is committed."""
+        """Map ``path`` to ``step`` and write its pointer once the step is committed.
+
+        The steps ``path`` named before (in this object's map, and in the pointer file on
+        disk, perhaps from an earlier run) are released only once the new pointer is down:
+        until then the file on disk still names them, and a crash must leave it loadable."""
         with self._lock:
-            previous = self._paths.get(path)
-        if previous is None:
-            with contextlib.suppress(OSError, LazyCkptError):
-                previous = read_pointer(path)  # a pointer from an earlier run, overwritten
+            previous = {self._paths.get(path)}
+        with contextlib.suppress(OSError, LazyCkptError):
+            previous.add(read_pointer(path))
+        olds = sorted(s for s in previous if s is not None and s != step)
         with self._lock:
             self._paths[path] = step
             if self._writer is None:
@@ -356,12 +360,14 @@ class LazyCheckpointIO(_Bases):
                     1, thread_name_prefix="lazyckpt-lightning"
                 )
             self._jobs = [j for j in self._jobs if not j.done()]
-            self._jobs.append(self._writer.submit(self._commit_path, path, step, handle))
-        if previous is not None and previous != step:
-            self._release(previous, os.path.dirname(path))  # the path names a newer step now
+            self._jobs.append(self._writer.submit(self._commit_path, path, step, handle, olds))
 
-    def _commit_path(self, path: str, step: int, handle: SnapshotHandle | None) -> None:
-        """Writer thread: wait for ``step`` to be durable, then write ``path``'s pointer."""
+    def _commit_path(
+        self, path: str, step: int, handle: SnapshotHandle | None, olds: list[int]
+    ) -> None:
+        """Writer thread: wait for ``step`` to be durable, then write ``path``'s pointer,
+        then release the steps ``olds`` the path named before (a failed save keeps them:
+        the pointer on disk still names one)."""
         try:
             if handle is not None:
                 handle.wait("committed")
@@ -383,6 +389,8 @@ class LazyCheckpointIO(_Bases):
             if not wanted:
                 # removed (or remapped) while in flight: delete it now that it landed
                 self._release(step, os.path.dirname(path))
+            for old in olds:  # each kept while any pointer file on disk still names it
+                self._release(old, os.path.dirname(path))
         except Exception:
             log.exception("lazyckpt: could not write the pointer %r to step %d", path, step)
 
@@ -455,18 +463,14 @@ class LazyCheckpointIO(_Bases):
             self.checkpointer.delete(step)
 
     def _named_in(self, directory: str, step: int) -> bool:
-        """Whether a pointer file in ``directory`` that this object has not mapped (one from
-        an earlier run) names ``step``; a mapped path's pointer may be stale until its new
-        step commits, so the map is what counts for it."""
+        """Whether a pointer file in ``directory`` names ``step``: one from an earlier run,
+        or one of this object's whose new step has not committed yet (the file on disk is
+        what a restarted job loads, so it counts until it is overwritten)."""
         where = directory or "."
         fs = _filesystem(where)
         if not fs.isdir(where):
             return False
-        with self._lock:
-            mapped = {os.path.abspath(p) for p in self._paths}
         for entry in fs.ls(where, detail=False):
-            if os.path.abspath(entry) in mapped:
-                continue
             with contextlib.suppress(OSError, LazyCkptError):
                 if read_pointer(entry) == step:
                     return True

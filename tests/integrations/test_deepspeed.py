@@ -67,7 +67,9 @@ def test_save_commit_load_by_hand(tmp_path: Path) -> None:
     info = save_tag(eng, tmp_path / "ds", "global_step3", {"model.pt": model, "optim.pt": optim})
     assert eng.get_commit_info() == info  # decoupled: DeepSpeed commits at its next step
     assert eng.commit(info) is True
-    assert info.save_latest is True
+    # latest written by the engine, atomically; DeepSpeed is told not to write it again
+    assert info.save_latest is False
+    assert (tmp_path / "ds" / "latest").read_text() == "global_step3"
     assert eng.get_commit_info() is None
     assert eng.checkpointer.steps() == [0]  # one lazyckpt step for the two files of the tag
     pointer = json.loads((tmp_path / "ds" / "global_step3" / "model.pt").read_text())
