@@ -400,15 +400,29 @@ async def restore_lazily(
     await _read_shards(manifest, now, sources, dests, problems, concurrency)
     _finish_some(dests, done, first)
     state = decode_tree(manifest.tree, done, allow_pickle=allow_pickle)
-    apply_into(into, {k: v for k, v in state.items() if k not in deferred})
+    lacking = [k for k in deferred if k not in state]
+    if lacking:
+        raise _mismatch("", "the mapping", lacking, [])
+    _apply_part(into, state, [k for k in into if k not in deferred])
 
     async def finish() -> None:
         await _read_shards(manifest, rest, sources, dests, problems, concurrency)
         _finish_some(dests, done, set(range(len(tensors))) - first)
         full = decode_tree(manifest.tree, done, allow_pickle=allow_pickle)
-        apply_into(into, {k: v for k, v in full.items() if k in deferred})
+        _apply_part(into, full, [k for k in into if k in deferred])
 
     return finish
+
+
+def _apply_part(into: Mapping[Any, Any], restored: Mapping[Any, Any], keys: Sequence[Any]) -> None:
+    """:func:`apply_into` for the top-level entries ``keys`` of ``into`` only (with the same
+    key checks below them): a lazy restore loads its two parts one after the other."""
+    part = {k: into[k] for k in keys}
+    apply_into(part, {k: restored[k] for k in keys if k in restored})
+    if isinstance(into, MutableMapping):
+        for k, v in part.items():  # plain values are replaced, not loaded in place
+            if into[k] is not v:
+                into[k] = v
 
 
 async def _read_shards(
