@@ -329,7 +329,6 @@ async def restore_state(
     with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
         dests = _Destinations(manifest, into, map_location)
     problems: list[Exception] = []
-    sem = asyncio.Semaphore(concurrency)
     shards: Sequence[ShardMeta] = manifest.shards
     if any(t is not None and t.device.type == "cuda" for t in dests.final):
         from ._cuda import restore_into  # device targets: in place, host to device
@@ -338,19 +337,7 @@ async def restore_state(
         dests.staging = list(dests.final)  # every tensor is filled: nothing left to copy
         shards = ()
 
-    async def one(shard: ShardMeta) -> None:
-        async with sem:
-            await _restore_shard(manifest, shard, sources, dests, problems)
-
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for shard in shards:
-                tg.create_task(one(shard))
-    except ExceptionGroup as group:
-        first = group.exceptions[0]
-        while isinstance(first, ExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
+    await _read_shards(manifest, shards, sources, dests, problems, concurrency)
     with collector_paused():
         tensors = dests.finish()
         state = decode_tree(manifest.tree, tensors, allow_pickle=allow_pickle)
@@ -380,6 +367,7 @@ async def restore_lazily(
     restore cannot be split (device targets are restored in one pass): restore eagerly."""
     if manifest.pickled and not allow_pickle:
         decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
+    manifest = align_into(manifest, into)
     dests = _Destinations(manifest, into, map_location)
     if any(t is not None and t.device.type == "cuda" for t in dests.final):
         return None

@@ -195,3 +195,21 @@ async def test_async_lazy_restore(tmp_path: Path) -> None:
         for step in range(4, 7):
             await asyncio.to_thread(train, model, optim, step)
     assert same(eager, flat(model, optim))
+
+
+def test_a_lazy_restore_maps_compiled_keys_like_an_eager_one(tmp_path: Path) -> None:
+    # a snapshot of a compiled model (keys under "_orig_mod.") restores lazily into the plain
+    # model, as an eager restore does
+    model, optim = make()
+    for step in range(1, 3):
+        train(model, optim, step)
+    compiled = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}
+    with SyncCheckpointer([FileTier(tmp_path)], shard_size=SHARD, pack_bytes=1024) as ckpt:
+        ckpt.snapshot({"model": compiled, "optim": optim}, step=2).wait()
+    fresh, fresh_optim = make(seed=1)
+    with SyncCheckpointer([FileTier(tmp_path)], shard_size=SHARD, pack_bytes=1024) as ckpt:
+        ckpt.guard(fresh_optim)
+        ckpt.restore(step=2, into={"model": fresh, "optim": fresh_optim}, lazy=True)
+        train(fresh, fresh_optim, 3)  # the guarded step waits for the optimizer state
+    train(model, optim, 3)
+    assert same(flat(fresh, fresh_optim), flat(model, optim))
