@@ -20,6 +20,7 @@ from ._engine import SnapshotStats
 from ._errors import (
     CheckpointerClosedError,
     ConfigurationError,
+    CoordinationError,
     CorruptionError,
     DeadlineExceededError,
     ForeignLocationError,
@@ -69,6 +70,7 @@ __all__ = [
     "Checkpointer",
     "CheckpointerClosedError",
     "ConfigurationError",
+    "CoordinationError",
     "CorruptionError",
     "DeadlineExceededError",
     "DrainReport",

@@ -33,7 +33,10 @@ from ._errors import (
     ConfigurationError,
     LazyCkptError,
     SnapshotFailedError,
+    SnapshotInFlightError,
     SnapshotNotFoundError,
+    SnapshotSkippedError,
+    SnapshotSkippedWarning,
 )
 from ._gc import collector_paused
 from ._manifest import LayoutOptions, Manifest, plan_layout
@@ -53,19 +56,6 @@ __all__ = [
 
 T = TypeVar("T")
 log = logging.getLogger("lazyckpt")
-
-
-class SnapshotSkippedWarning(UserWarning):
-    """A snapshot was dropped because the pipeline was busy (``when_busy="skip"``)."""
-
-
-class SnapshotSkippedError(LazyCkptError):
-    """Raised by the awaitables of a skipped snapshot's handle: it was never taken."""
-
-
-class SnapshotInFlightError(LazyCkptError):
-    """``delete(step)`` was asked for a step that is still on its way through the tiers
-    (or being restored). Await its handle's ``committed()`` (or the restore) first."""
 
 
 class SnapshotHandle:

@@ -35,15 +35,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ._errors import ConfigurationError, DeadlineExceededError, LazyCkptError
+from ._errors import ConfigurationError, CoordinationError, DeadlineExceededError
 
 __all__ = ["CoordinationError", "Coordinator", "distributed_context"]
 
 T = TypeVar("T")
-
-
-class CoordinationError(LazyCkptError):
-    """The ranks disagree about what they are committing (different steps, different order)."""
 
 
 def distributed_context(requested: bool | None) -> tuple[int, int] | None:

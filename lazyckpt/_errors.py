@@ -32,6 +32,7 @@ from collections.abc import Sequence
 __all__ = [
     "CheckpointerClosedError",
     "ConfigurationError",
+    "CoordinationError",
     "CorruptionError",
     "DeadlineExceededError",
     "ForeignLocationError",
@@ -40,7 +41,10 @@ __all__ = [
     "LazyCkptError",
     "LocationInUseError",
     "SnapshotFailedError",
+    "SnapshotInFlightError",
     "SnapshotNotFoundError",
+    "SnapshotSkippedError",
+    "SnapshotSkippedWarning",
     "StateMismatchError",
     "TierBrokenError",
     "TierClosedError",
@@ -183,6 +187,23 @@ class TierBrokenError(TierError):
 
 class TierFullError(TierError):
     """The tier's backend is out of space (ENOSPC, quota, arena too small)."""
+
+
+class SnapshotSkippedWarning(UserWarning):
+    """A snapshot was dropped because the pipeline was busy (``when_busy="skip"``)."""
+
+
+class SnapshotSkippedError(LazyCkptError):
+    """Raised by the awaitables of a skipped snapshot's handle: it was never taken."""
+
+
+class SnapshotInFlightError(LazyCkptError):
+    """``delete(step)`` was asked for a step that is still on its way through the tiers
+    (or being restored). Await its handle's ``committed()`` (or the restore) first."""
+
+
+class CoordinationError(LazyCkptError):
+    """The ranks disagree about what they are committing (different steps, different order)."""
 
 
 class SnapshotFailedError(ExceptionGroup[Exception], LazyCkptError):
