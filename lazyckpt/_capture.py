@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import crc32c
 import torch
@@ -42,6 +42,7 @@ from ._manifest import Manifest, ShardMeta
 from ._tree import TensorRef
 
 __all__ = [
+    "BatchCapture",
     "CaptureBackend",
     "CaptureJob",
     "ChecksumPool",
@@ -73,6 +74,15 @@ class CaptureBackend(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class BatchCapture(Protocol):
+    """A backend that also copies several shards in one go (one pool job, one wake-up of
+    the engine loop), which is what keeps the pipeline's takes of the interpreter lock few
+    per GiB (see :meth:`CpuCapture.capture_batch`)."""
+
+    async def capture_batch(self, jobs: Sequence[CaptureJob]) -> None: ...
+
+
 def source_view(job: CaptureJob, tensor_index: int, start: int, stop: int) -> torch.Tensor:
     """The part of a source tensor that a segment covers (a view; no copy except for the
     rare non-contiguous tensor split flat)."""
@@ -99,26 +109,52 @@ def check_versions(job: CaptureJob) -> None:
 def copy_into_block(job: CaptureJob) -> None:
     """Copy every segment of the shard into its block and zero the bytes between them, then
     check the version counters. Blocking."""
-    dest = job.block.tensor()
-    cursor = 0
-    for seg in job.shard.segments:
-        if seg.offset > cursor:  # alignment gap in a pack: zero it so the bytes are defined
-            dest[cursor : seg.offset].zero_()
-        meta = job.manifest.tensors[seg.tensor]
-        shape = job.manifest.segment_shape(seg)
-        nbytes = job.manifest.segment_nbytes(seg)
-        src = source_view(job, seg.tensor, seg.start, seg.stop)
-        dest[seg.offset : seg.offset + nbytes].view(meta.torch_dtype).view(shape).copy_(src)
-        cursor = seg.offset + nbytes
-    if cursor < job.shard.length:
-        dest[cursor : job.shard.length].zero_()
-    check_versions(job)
+    copy_into_blocks([job])
+
+
+def copy_into_blocks(jobs: Sequence[CaptureJob]) -> None:
+    """Copy every segment of several shards into their blocks, zero the bytes between the
+    segments, then check each shard's version counters. Blocking.
+
+    The copies are issued as one ``torch._foreach_copy_`` call and the zeroing as one
+    ``torch._foreach_zero_``, not one ``copy_`` per segment: each torch call releases the
+    interpreter lock and takes it back, and every take is a hand-over that a launch-bound
+    training thread waits for (a pack shard holds dozens of small tensors).
+    """
+    dests: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    gaps: list[torch.Tensor] = []
+    for job in jobs:
+        dest = job.block.tensor()
+        cursor = 0
+        for seg in job.shard.segments:
+            if seg.offset > cursor:  # alignment gap in a pack: zero it so the bytes are defined
+                gaps.append(dest[cursor : seg.offset])
+            meta = job.manifest.tensors[seg.tensor]
+            shape = job.manifest.segment_shape(seg)
+            nbytes = job.manifest.segment_nbytes(seg)
+            if nbytes:
+                dests.append(dest[seg.offset : seg.offset + nbytes].view(meta.torch_dtype).view(shape))
+                srcs.append(source_view(job, seg.tensor, seg.start, seg.stop))
+            cursor = seg.offset + nbytes
+        if cursor < job.shard.length:
+            gaps.append(dest[cursor : job.shard.length])
+    if gaps:
+        torch._foreach_zero_(gaps)
+    if dests:
+        torch._foreach_copy_(dests, srcs)
+    for job in jobs:
+        check_versions(job)
 
 
 def block_checksum(block: Block) -> int:
     """The crc32c of a block's bytes (a shard's, padding included). Blocking; the ``crc32c``
     package releases the GIL."""
     return crc32c.crc32c(block.memoryview())
+
+
+def _checksums(blocks: list[Block]) -> list[int]:
+    return [block_checksum(b) for b in blocks]
 
 
 def default_checksum_threads() -> int:
@@ -167,6 +203,12 @@ class ChecksumPool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, block_checksum, block)
 
+    async def checksum_many(self, blocks: Sequence[Block]) -> list[int]:
+        """The crc32c of each block, in one job on one pool thread (one wake-up of the
+        engine loop for the lot; each crc32c call releases the interpreter lock)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _checksums, list(blocks))
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -182,6 +224,11 @@ class CpuCapture:
     async def capture(self, job: CaptureJob) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, copy_into_block, job)
+
+    async def capture_batch(self, jobs: Sequence[CaptureJob]) -> None:
+        """Copy several shards in one pool job (see :func:`copy_into_blocks`)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, copy_into_blocks, list(jobs))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -41,7 +41,7 @@ import torch
 
 from . import hooks
 from ._arena import Block, HostArena
-from ._capture import CaptureBackend, CaptureJob, ChecksumPool, CpuCapture
+from ._capture import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool, CpuCapture
 from ._cuda import CudaCapture
 from ._distributed import Coordinator, distributed_context
 from ._errors import (
@@ -64,6 +64,9 @@ __all__ = ["Engine", "EngineOptions", "Flight", "SnapshotStats"]
 
 log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
+# the bytes one capture job copies (see Engine._batch_limit); measured in
+# bench/interference.py: 4 jobs per 256 MiB cost the training thread no more than 1 would
+_BATCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -444,12 +447,22 @@ class Engine:
                 if self.host_last:
                     await self._run_kept(flight, tg)
                 else:
-                    for i, shard in enumerate(m.shards):
-                        if self._failed_at(flight, 0):
-                            break
-                        block = await self.arena.allocate(shard.length)
-                        flight.blocks[i] = block
-                        tg.create_task(self._shard_flow(flight, i, shard, block))
+                    limit = self._batch_limit()
+                    i = 0
+                    while i < len(m.shards) and not self._failed_at(flight, 0):
+                        # the first shard of a batch may wait for room (backpressure); the
+                        # ones that fit now go with it, up to the batch bound
+                        batch = [(i, await self.arena.allocate(m.shards[i].length))]
+                        size = m.shards[i].length
+                        i += 1
+                        while i < len(m.shards) and size + m.shards[i].length <= limit:
+                            more = self.arena.try_allocate(m.shards[i].length)
+                            if more is None:
+                                break
+                            batch.append((i, more))
+                            size += m.shards[i].length
+                            i += 1
+                        self._start_host_stage(flight, tg, batch)
                 if not m.shards:
                     tg.create_task(self._commit_empty(flight))
         except Exception as exc:  # a bug in the engine: fail the snapshot loudly
@@ -494,9 +507,17 @@ class Engine:
             return
         async with self._kept_order:
             blocks = await self.arena.allocate_all(sizes)
-        for i, (shard, block) in enumerate(zip(m.shards, blocks, strict=True)):
-            flight.blocks[i] = block
-            tg.create_task(self._shard_flow(flight, i, shard, block))
+        limit = self._batch_limit()
+        batch: list[tuple[int, Block]] = []
+        size = 0
+        for i, block in enumerate(blocks):
+            if batch and size + sizes[i] > limit:
+                self._start_host_stage(flight, tg, batch)
+                batch, size = [], 0
+            batch.append((i, block))
+            size += sizes[i]
+        if batch:
+            self._start_host_stage(flight, tg, batch)
 
     async def _commit_empty(self, flight: Flight) -> None:
         self._on_all_captured(flight)
@@ -505,28 +526,108 @@ class Engine:
             if await flight.begun[k - 1]:
                 await self._commit(flight, k)
 
-    async def _shard_flow(self, flight: Flight, i: int, shard: ShardMeta, block: Block) -> None:
-        m = flight.manifest
-        t0 = time.perf_counter()
-        try:
-            await self.capture.capture(CaptureJob(m, shard, flight.refs, block))
-        except Exception as exc:
-            self._fail(flight, 0, exc)
+    # -- the host stage: capture, then checksum --------------------------------------------
+    #
+    # A launch-bound training thread pays for every time a pipeline thread takes the
+    # interpreter lock, far more than for the bytes' work, which releases it (docs/design.md,
+    # "Staying out of the training thread's way"). So where the capture backend can copy a
+    # batch of shards in one job (the CPU path), the shards that got their blocks together
+    # are copied by one pool job and checksummed by one more, and the engine loop wakes once
+    # per batch for each, not once per shard. A backend without ``capture_batch`` (the CUDA
+    # path, whose copies complete one event at a time, or a test's wrapper) gets one flow
+    # per shard.
+
+    def _batch_limit(self) -> int:
+        """The most bytes one capture job copies (at least one shard): large enough that the
+        per-job cost is paid a few times per snapshot, small enough that checksums and
+        writes start while later batches are still being copied."""
+        if not isinstance(self.capture, BatchCapture):
+            return 0
+        return max(self.options.layout.shard_size, _BATCH_BYTES)
+
+    def _start_host_stage(
+        self, flight: Flight, tg: asyncio.TaskGroup, batch: list[tuple[int, Block]]
+    ) -> None:
+        for i, block in batch:
+            flight.blocks[i] = block
+        if not isinstance(self.capture, BatchCapture):  # then a batch is one shard
+            i, block = batch[0]
+            tg.create_task(self._shard_flow(flight, i, flight.manifest.shards[i], block))
+        else:
+            tg.create_task(self._batch_flow(flight, tg, batch))
+
+    def _captured(self, flight: Flight, i: int) -> None:
+        flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+        hooks.point("capture.done")
+        flight.captured_count += 1
+        if flight.captured_count == len(flight.manifest.shards):
+            self._on_all_captured(flight)
+
+    def _capture_failed(self, flight: Flight, batch: Sequence[tuple[int, Block]], exc: Exception) -> None:
+        self._fail(flight, 0, exc)
+        for i, block in batch:
             self.arena.release(block)
             flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
+
+    async def _shard_flow(self, flight: Flight, i: int, shard: ShardMeta, block: Block) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.capture.capture(CaptureJob(flight.manifest, shard, flight.refs, block))
+        except Exception as exc:
+            self._capture_failed(flight, [(i, block)], exc)
             return
+        self._captured(flight, i)
+        await self._persist(flight, i, shard, block, self._checksum(flight, block), t0)
+
+    async def _batch_flow(
+        self, flight: Flight, tg: asyncio.TaskGroup, batch: list[tuple[int, Block]]
+    ) -> None:
+        """Capture a batch of shards in one job, checksum it in one more, then start each
+        shard's way through the tiers."""
+        m = flight.manifest
+        t0 = time.perf_counter()
+        jobs = [CaptureJob(m, m.shards[i], flight.refs, block) for i, block in batch]
+        capture = self.capture
+        assert isinstance(capture, BatchCapture), "batches only for a batch-capable backend"
+        try:
+            await capture.capture_batch(jobs)
+        except Exception as exc:
+            self._capture_failed(flight, batch, exc)
+            return
+        handed = 0  # the blocks from here on belong to their shard's _persist
+        try:
+            for i, _ in batch:
+                self._captured(flight, i)
+            crcs = await self._checksum_batch(flight, [block for _, block in batch])
+            loop = asyncio.get_running_loop()
+            for k, (i, block) in enumerate(batch):
+                crc: asyncio.Future[int | None] = loop.create_future()
+                crc.set_result(None if crcs is None else crcs[k])
+                tg.create_task(self._persist(flight, i, m.shards[i], block, crc, t0))
+                handed += 1
+        finally:
+            for _, block in batch[handed:]:  # cancelled before its shards were handed on
+                self.arena.release(block)
+                self.arena.discard(block)
+
+    async def _persist(
+        self,
+        flight: Flight,
+        i: int,
+        shard: ShardMeta,
+        block: Block,
+        crc_of: Awaitable[int | None],
+        t0: float,
+    ) -> None:
+        """A captured shard: its checksum, the host tier, then each durable tier in turn."""
+        m = flight.manifest
         # from here on this flow holds the block until a tier has it or the flow ends, however
         # it ends (a failed checksum, an error, the task group cancelling it): the finally
         # below gives it back
         adopted: Block | None = None
         holding = True
         try:
-            flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
-            hooks.point("capture.done")
-            flight.captured_count += 1
-            if flight.captured_count == len(m.shards):
-                self._on_all_captured(flight)
-            crc = await self._checksum(flight, block)
+            crc = await crc_of
             if crc is None:
                 flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
                 return
@@ -579,6 +680,32 @@ class Engine:
                 self._release(block, adopted)
             if adopted is None:  # nobody keeps staging blocks once the shard is through
                 self.arena.discard(block)
+
+    async def _checksum_batch(self, flight: Flight, blocks: list[Block]) -> list[int] | None:
+        """The crc32c of each block of a captured batch, in one pool job where the checksum
+        stage can (``checksum_many``); None once the snapshot failed."""
+        if self._failed_at(flight, 0):
+            return None
+        many = getattr(self.checksums, "checksum_many", None)
+        if callable(many):
+            try:
+                crcs: list[Any] = list(await many(blocks))
+            except Exception as exc:
+                self._fail(flight, 0, exc)
+                return None
+        else:
+            crcs = list(
+                await asyncio.gather(
+                    *(self.checksums.checksum(b) for b in blocks), return_exceptions=True
+                )
+            )
+            failures = [c for c in crcs if isinstance(c, BaseException)]
+            if failures:
+                if not isinstance(failures[0], Exception):
+                    raise failures[0]
+                self._fail(flight, 0, failures[0])
+                return None
+        return None if self._failed_at(flight, 0) else [int(c) for c in crcs]
 
     async def _checksum(self, flight: Flight, block: Block) -> int | None:
         """The crc32c of a captured shard's block; None once the snapshot failed (on this

@@ -9,8 +9,8 @@ Layout under ``root``::
         rank-00001.json     each rank's manifest (durable before the commit), and
                             manifest.json is then a small commit record naming world_size
 
-A shard is written with ``os.pwrite`` in multi-MiB pieces from a bounded thread pool and
-made durable with ``fdatasync`` before it counts as ON_LOCAL. The commit writes the
+A shard is written with ``os.pwrite`` in multi-MiB pieces and made durable with
+``fdatasync`` before it counts as ON_LOCAL, all in one job on a bounded thread pool. The commit writes the
 manifest to a temporary name, fsyncs it, renames it into place and fsyncs the directory
 (and the root, for the step directory's own entry). Deleting removes the manifest first.
 
@@ -93,7 +93,8 @@ class FileTier(Tier):
             at the first read: the pieces of a shard are read side by side, since a
             virtual disk or an NVMe drive serves several requests in flight faster than one
             (measured: about 2x a sequential read on a 2-vCPU VM).
-        piece_bytes: size of each ``pwrite``/``pread`` call.
+        piece_bytes: size of each ``pwrite``/``pread`` call (a shard's writes run one after
+            the other in one pool job; its reads, side by side).
         direct: write data files with ``O_DIRECT``, bypassing the page cache (buffers from
             the host arena are page-aligned; unaligned tails go through a bounce buffer).
             ``None`` (the default) uses it where the file system accepts it and falls back
@@ -348,23 +349,26 @@ class FileTier(Tier):
         fd, direct = opened
         if len(data) != shard.length:
             raise ConfigurationError(f"shard {shard.index}: {len(data)} bytes, not {shard.length}")
-        pieces = range(0, shard.length, self.piece_bytes)
         path = self._data_path(manifest)
-        await asyncio.gather(
-            *(
-                self._run(
-                    f"write shard {shard.index} to {path}",
-                    self._pwrite,
-                    fd,
-                    direct,
-                    data[o : o + self.piece_bytes],
-                    shard.offset + o,
-                )
-                for o in pieces
-            )
+        # one job per shard, not one per piece and one more for the sync: each job costs
+        # the pool thread and the engine loop a wake-up and a take of the interpreter lock,
+        # which a launch-bound training thread pays for (docs/design.md, "Staying out of
+        # the training thread's way"); the pieces' writes and the sync release the lock
+        await self._run(
+            f"write shard {shard.index} to {path}",
+            self._write_shard,
+            fd,
+            direct,
+            data,
+            shard.offset,
         )
+
+    def _write_shard(self, fd: int, direct: bool, data: memoryview, offset: int) -> None:
+        """Write a shard in ``piece_bytes`` pieces, then make it durable. Blocking."""
+        for o in range(0, len(data), self.piece_bytes):
+            self._pwrite(fd, direct, data[o : o + self.piece_bytes], offset + o)
         hooks.point("file.write.before_sync")
-        await self._run(f"sync shard {shard.index} of {path}", os.fdatasync, fd)
+        os.fdatasync(fd)
 
     def _pwrite(self, fd: int, direct: bool, data: memoryview, offset: int) -> None:
         if direct:
