@@ -9,8 +9,8 @@ Layout under ``root``::
         rank-00001.json     each rank's manifest (durable before the commit), and
                             manifest.json is then a small commit record naming world_size
 
-A shard is written with ``os.pwrite`` in multi-MiB pieces and made durable with
-``fdatasync`` before it counts as ON_LOCAL, all in one job on a bounded thread pool. The commit writes the
+A shard is written with one ``os.pwrite`` and made durable with ``fdatasync`` before it
+counts as ON_LOCAL, both in one job on a bounded thread pool. The commit writes the
 manifest to a temporary name, fsyncs it, renames it into place and fsyncs the directory
 (and the root, for the step directory's own entry). Deleting removes the manifest first.
 
@@ -93,8 +93,9 @@ class FileTier(Tier):
             at the first read: the pieces of a shard are read side by side, since a
             virtual disk or an NVMe drive serves several requests in flight faster than one
             (measured: about 2x a sequential read on a 2-vCPU VM).
-        piece_bytes: size of each ``pwrite``/``pread`` call (a shard's writes run one after
-            the other in one pool job; its reads, side by side).
+        piece_bytes: size of each ``pread`` call of a restore (a shard's pieces are read
+            side by side). A shard is written with one ``pwrite`` and synced in the same
+            pool job.
         direct: write data files with ``O_DIRECT``, bypassing the page cache (buffers from
             the host arena are page-aligned; unaligned tails go through a bounce buffer).
             ``None`` (the default) uses it where the file system accepts it and falls back
@@ -364,9 +365,9 @@ class FileTier(Tier):
         )
 
     def _write_shard(self, fd: int, direct: bool, data: memoryview, offset: int) -> None:
-        """Write a shard in ``piece_bytes`` pieces, then make it durable. Blocking."""
-        for o in range(0, len(data), self.piece_bytes):
-            self._pwrite(fd, direct, data[o : o + self.piece_bytes], offset + o)
+        """Write a shard with one ``pwrite`` (more where the kernel writes less), then make
+        it durable. Blocking."""
+        self._pwrite(fd, direct, data, offset)
         hooks.point("file.write.before_sync")
         os.fdatasync(fd)
 
