@@ -69,7 +69,7 @@ import json
 import logging
 from pathlib import Path
 
-from lazyckpt import (
+from lazyckpt.tier import (
     FORMAT_VERSION,
     ConfigurationError,
     CorruptionError,

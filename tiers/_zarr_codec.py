@@ -12,7 +12,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from lazyckpt import CorruptionError
+from lazyckpt.tier import CorruptionError
 
 _NO_CHUNK = 2**64 - 1  # a shard index entry for an inner chunk that was not written
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
 import json
 import os
 import sys
@@ -19,7 +18,7 @@ from zarr.abc.store import Store
 from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.core.buffer.cpu import Buffer as CpuBuffer
 
-from lazyckpt import (
+from lazyckpt.tier import (
     FORMAT_VERSION,
     ConfigurationError,
     CorruptionError,
@@ -28,9 +27,8 @@ from lazyckpt import (
     Manifest,
     SnapshotNotFoundError,
     Tier,
-    TierBrokenError,
     TierClosedError,
-    TierFullError,
+    backend_errors,
 )
 
 from ._fs import WriterLock, read_small
@@ -170,7 +168,8 @@ class ZarrCore(Tier):
 
     @contextlib.contextmanager
     def _backend(self, what: str) -> Iterator[None]:
-        """Run a tier operation: refuse when closed, translate backend errors once."""
+        """Run a tier operation: refuse when closed, map backend errors once (the one
+        mapping of every tier, with what only S3 says: a missing bucket)."""
         if self._closed:
             raise TierClosedError("closed", tier=self.name)
         self._sync_primitives()
@@ -179,19 +178,19 @@ class ZarrCore(Tier):
             # readonly was set after construction (before any use): a store that never
             # creates the directory
             self._store = store.with_read_only(True)
-        try:
+        s3 = self._s3
+        with backend_errors(
+            self.name,
+            what,
+            scrub=None if s3 is None else s3.scrub,
+            refine=None if s3 is None else self._no_bucket,
+        ):
             yield
-        except LazyCkptError:
-            raise
-        except Exception as exc:
-            if self._s3 is not None and "NoSuchBucket" in str(exc):
-                raise self._no_bucket() from None
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise TierFullError(f"{what}: out of space", tier=self.name) from exc
-            raise TierBrokenError(f"{what}: {self._summary(exc)}", tier=self.name) from exc
 
-    def _no_bucket(self) -> LazyCkptError:
-        assert self._s3 is not None
+    def _no_bucket(self, exc: Exception) -> LazyCkptError | None:
+        """The error for a bucket that does not exist, if ``exc`` says so (S3 only)."""
+        if self._s3 is None or "NoSuchBucket" not in str(exc):
+            return None
         where = f" at {self._s3.public_endpoint}" if self._s3.public_endpoint else ""
         if self.readonly:
             return SnapshotNotFoundError(
@@ -208,13 +207,6 @@ class ZarrCore(Tier):
                 f"tier {self.name!r} ({self.location}) was opened read-only: cannot {what}; "
                 "build it without readonly=True to write"
             )
-
-    def _summary(self, exc: BaseException) -> str:
-        """The first line of a backend error, without anything secret."""
-        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if self._s3 is not None:
-            text = self._s3.scrub(text)
-        return f"{type(exc).__name__}: {text[:300]}"
 
     async def _request(self, aw: Awaitable[T]) -> T:
         async with self._requests:

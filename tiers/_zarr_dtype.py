@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lazyckpt import ConfigurationError, TensorMeta
+from lazyckpt.tier import ConfigurationError, TensorMeta
 
 _STORAGE_DTYPE: Mapping[str, str] = {
     "float64": "float64",

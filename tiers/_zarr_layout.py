@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from lazyckpt import FORMAT_VERSION, CorruptionError, Manifest, TensorMeta
+from lazyckpt.tier import FORMAT_VERSION, CorruptionError, Manifest, TensorMeta
 
 from ._zarr_codec import _PackGeometry
 from ._zarr_dtype import _bytes_codec, _fill_value, storage_dtype

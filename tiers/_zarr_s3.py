@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from zarr.abc.store import Store
 
-from lazyckpt import ConfigurationError
+from lazyckpt.tier import ConfigurationError
 
 
 def _env_flag(value: str | None) -> bool | None:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from lazyckpt import FORMAT_VERSION, LocationInUseError, TierBrokenError
+from lazyckpt.tier import FORMAT_VERSION, LocationInUseError, TierBrokenError
 
 from ._fs import WriterLock, lock_name
 from ._zarr_core import ZarrCore
