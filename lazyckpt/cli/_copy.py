@@ -44,11 +44,11 @@ async def copy_command(args: argparse.Namespace, ui: Console) -> int:
             m = await src.tier.read_manifest(step)
             m = replace(m, extra={**m.extra, "tier": dst.tier.describe()})
             async with (
-                writing(dst.tier, m),
+                writing(dst.tier, m) as write,
                 ShardReader(src.tier, m, jobs=args.jobs) as reader,
             ):
-                await put_all(dst.tier, m, None, reader, ui, f"copy step {step}", args.jobs)
-                await dst.tier.commit(m)
+                await put_all(write, None, reader, ui, f"copy step {step}", args.jobs)
+                await write.commit(m)
             if not args.no_readback:
                 problems = await _readback(dst, m, ui, args.jobs)
                 if problems:

@@ -213,13 +213,13 @@ async def import_command(args: argparse.Namespace, ui: Console) -> int:
                 "it first",
                 EXIT_USAGE,
             )
-        async with writing(loc.tier, plan):
+        async with writing(loc.tier, plan) as write:
             crcs = await put_all(
-                loc.tier, plan, source.fill, None, ui, f"import step {args.step}", args.jobs
+                write, source.fill, None, ui, f"import step {args.step}", args.jobs
             )
             manifest = plan.with_checksums(crcs)
             extra = {"tier": loc.tier.describe(), "imported": {"format": fmt, "name": path.name}}
-            await loc.tier.commit(replace(manifest, extra=extra))
+            await write.commit(replace(manifest, extra=extra))
     ui.note(
         f"imported {path.name} as step {args.step} into {loc} "
         f"({len(plan.tensors)} tensors, {format_bytes(plan.tensor_bytes)})"
