@@ -22,8 +22,12 @@ class Console:
     def note(self, text: str) -> None:
         print(text, file=sys.stderr)
 
-    def progress(self, total: int, label: str) -> Progress:
-        return Progress(total, label, stream=sys.stderr, enabled=not self.quiet)
+    def progress(
+        self, total: int, label: str, *, unit: str | None = None, enabled: bool = True
+    ) -> Progress:
+        """A progress display on stderr (none with ``--quiet``): bytes, or ``unit``."""
+        shown = enabled and not self.quiet
+        return Progress(total, label, unit=unit, stream=sys.stderr, enabled=shown)
 
 
 def local_time(created: float) -> str:

@@ -9,23 +9,18 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import (
-    CorruptionError,
-    LazyCkptError,
-)
+from .._errors import CorruptionError, LazyCkptError
 from .._manifest import Manifest
-from .._progress import format_bytes
+from .._progress import Progress, format_bytes
 from .._tree import JSON, decode_tree
 from ._console import Console, iso_time, local_time, table
-from ._location import (
-    opened,
-    pick_steps,
-)
+from ._location import opened, pick_steps
 from ._read import has_tag
-from ._status import (
-    EXIT_DAMAGE,
-    EXIT_OK,
-)
+from ._status import EXIT_DAMAGE, EXIT_OK
+from ._write import first_error
+
+# manifests ``ls`` reads at once
+_MANIFEST_READS = 8
 
 
 async def ls_command(args: argparse.Namespace, ui: Console) -> int:
@@ -38,41 +33,55 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
         for i, steps in enumerate(listings):
             for step in steps:
                 found.setdefault(step, []).append(i)
-        entries: list[dict[str, Any]] = []
-        damaged = False
-        for step in sorted(found):
+        entries: dict[int, dict[str, Any]] = {}
+        # one manifest read per step: on an object store with many snapshots that is the
+        # long part, so a few run at once and the progress display counts them
+        sem = asyncio.Semaphore(_MANIFEST_READS)
+
+        async def describe(step: int, bar: Progress) -> None:
             entry: dict[str, Any] = {
                 "step": step,
                 "tiers": [labels[i] for i in found[step]],
                 "locations": [locations[i].spec for i in found[step]],
             }
             problems = []
-            for i in found[step]:
-                try:
-                    m = await locations[i].tier.read_manifest(step)
-                except CorruptionError as exc:
-                    problems.append(f"{labels[i]}: {exc}")
-                    continue
-                entry.update(
-                    bytes=m.tensor_bytes,
-                    stored_bytes=m.stream_bytes,
-                    tensors=len(m.tensors),
-                    shards=len(m.shards),
-                    created=iso_time(m.created),
-                    created_unix=m.created,
-                )
-                break
+            async with sem:
+                for i in found[step]:
+                    try:
+                        m = await locations[i].tier.read_manifest(step)
+                    except CorruptionError as exc:
+                        problems.append(f"{labels[i]}: {exc}")
+                        continue
+                    entry.update(
+                        bytes=m.tensor_bytes,
+                        stored_bytes=m.stream_bytes,
+                        tensors=len(m.tensors),
+                        shards=len(m.shards),
+                        created=iso_time(m.created),
+                        created_unix=m.created,
+                    )
+                    break
             if problems:
                 entry["problems"] = problems
-                damaged = True
-            entries.append(entry)
+            entries[step] = entry
+            bar.advance(1)
+
+        with ui.progress(len(found), "ls", unit="snapshots", enabled=bool(found)) as bar:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for step in found:
+                        tg.create_task(describe(step, bar))
+            except ExceptionGroup as group:
+                raise first_error(group) from None
+    listing = [entries[step] for step in sorted(entries)]
+    damaged = any("problems" in e for e in listing)
     if args.json:
-        ui.out(json.dumps(entries, indent=2))
-    elif not entries:
+        ui.out(json.dumps(listing, indent=2))
+    elif not listing:
         ui.note(f"no committed snapshot in {', '.join(args.locations)}")
     else:
         rows = [["STEP", "SIZE", "TENSORS", "CREATED", "TIERS"]]
-        for e in entries:
+        for e in listing:
             if "bytes" in e:
                 rows.append(
                     [
@@ -87,7 +96,7 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
                 rows.append([str(e["step"]), "?", "?", "manifest damaged", ", ".join(e["tiers"])])
         for line in table(rows, right=(0, 1, 2)):
             ui.out(line)
-        for e in entries:
+        for e in listing:
             for problem in e.get("problems", []):
                 ui.note(f"step {e['step']}: {problem}")
     return EXIT_DAMAGE if damaged else EXIT_OK
