@@ -1,10 +1,10 @@
 """The ``lazyckpt`` command line: see what checkpoints exist, check them, move them.
 
-Every subcommand takes a *location*: a directory (a :class:`~tiers.FileTier` root), or a URL.
-``s3://bucket/prefix`` and ``zarr+file:///path`` (any ``zarr+...`` URL) open a Zarr tier;
-``file:///path`` is a directory; ``KIND+...://`` opens the tier registered as ``KIND`` under
-the ``lazyckpt.tiers`` entry-point group, with the URL after ``KIND+`` as its argument. A local
-directory that holds a ``zarr.json`` is opened as a Zarr tier.
+Every subcommand takes a *location*: a directory (``file:///path`` is one too), or a URL.
+``KIND+...://`` opens the tier registered as ``KIND`` under the ``lazyckpt.tiers`` entry-point
+group, with the URL after ``KIND+`` as its argument; otherwise the registered tiers say what
+they serve (:func:`resolve_location`): with the built-in ones, ``s3://bucket/prefix`` and a
+directory holding a ``zarr.json`` open a Zarr tier, any other directory a file tier.
 
 Commands that only read (``ls``, ``inspect``, ``verify``, ``export``, the source of ``copy``)
 build the tier read-only (``readonly=True``, for a tier whose constructor takes it, which is

@@ -1,6 +1,6 @@
-"""The command line writes to a tier as the engine does: ``import`` and ``copy`` go through the
-engine's deadline and retry routine, so a transient tier failure is retried, and a failure
-that lasts aborts the step. The tier is a third-party plugin found through its entry point."""
+"""The command line with a third-party tier plugin, found through its entry point: the
+plugin says which locations it serves, and ``import`` and ``copy`` write to it as the engine
+does (deadline and retries: a transient failure is retried, a lasting one aborts the step)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import safetensors.torch
 import torch
 
 from lazyckpt import Manifest, SyncCheckpointer
-from lazyckpt.cli import EXIT_OK, EXIT_STORAGE, main
+from lazyckpt.cli import EXIT_OK, EXIT_STORAGE, EXIT_USAGE, CommandError, main, resolve_location
 from tiers import FileTier
 
-PLUGIN = '''
+PLUGIN = """
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier
 
@@ -27,27 +27,36 @@ FAULTS = []  # (method, how): how is a count of transient failures, or "broken"
 BUILT = []
 
 
-def build(location, *, readonly=False):
-    tier = FaultyTier(FileTier(location.removeprefix("file://"), readonly=readonly))
-    tier.readonly = readonly
-    for method, how in FAULTS:
-        if how == "broken":
-            tier.break_(method)
-        else:
-            tier.fail_next(method, how)
-    BUILT.append(tier)
-    return tier
-'''
+class FlakyFileTier(FaultyTier):
+    url_schemes = ("flaky",)  # flaky:///path
+    location_marker = "FLAKY"  # a directory holding this file is one of ours
+
+    def __init__(self, location, *, readonly=False):
+        path = location.removeprefix("flaky://").removeprefix("file://")
+        super().__init__(FileTier(path, readonly=readonly))
+        self.readonly = readonly
+        for method, how in FAULTS:
+            if how == "broken":
+                self.break_(method)
+            else:
+                self.fail_next(method, how)
+        BUILT.append(self)
+"""
 
 
 @pytest.fixture
 def faulty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A tier plugin registered as ``faulty``: a FileTier whose calls fail as the test says."""
+    """A tier plugin registered as ``faulty``, serving ``flaky://`` URLs: a FileTier whose
+    calls fail as the test says."""
     where = tmp_path / "plugin"
     dist = where / "faulty_tier_plugin-1.0.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-tier-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[lazyckpt.tiers]\nfaulty = faulty_tier_plugin:build\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: faulty-tier-plugin\nVersion: 1.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[lazyckpt.tiers]\nfaulty = faulty_tier_plugin:FlakyFileTier\n"
+    )
     (where / "faulty_tier_plugin.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(where))
     monkeypatch.delitem(sys.modules, "faulty_tier_plugin", raising=False)
@@ -78,11 +87,32 @@ def restored(root: Path, step: int) -> Any:
         return ckpt.restore(step)
 
 
+def test_the_plugin_says_which_locations_it_serves(
+    tmp_path: Path, faulty: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert resolve_location("flaky:///data/x") == ("faulty", "flaky:///data/x")
+    assert resolve_location("faulty+file:///data/x") == ("faulty", "file:///data/x")
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    assert resolve_location(str(ours)) == ("file", str(ours))
+    (ours / "FLAKY").write_text("")
+    assert resolve_location(str(ours)) == ("faulty", str(ours))
+    assert resolve_location(f"file://{ours}") == ("faulty", str(ours))
+    assert resolve_location("s3://bucket/run") == ("zarr", "s3://bucket/run")  # still there
+    (ours / "zarr.json").write_text("{}")
+    with pytest.raises(CommandError, match="faulty, zarr") as info:
+        resolve_location(str(ours))
+    assert info.value.code == EXIT_USAGE
+    assert main(["ls", "ftp://host/x"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "flaky://..." in err and "s3://..." in err  # what the registered tiers serve
+
+
 def test_import_retries_a_transient_put_failure(tmp_path: Path, faulty: ModuleType) -> None:
     file, weights = weights_file(tmp_path)
     root = tmp_path / "dst"
     faulty.FAULTS[:] = [("put_shard", 2), ("commit", 1)]
-    argv = ["import", str(file), "--to", f"faulty+file://{root}", "--step", "4"]
+    argv = ["import", str(file), "--to", f"flaky://{root}", "--step", "4"]
     assert main([*argv, "--shard-size", "8KiB", "-q"]) == EXIT_OK
     (tier,) = faulty.BUILT
     shards = len(manifest_of(root, 4).shards)
@@ -100,7 +130,7 @@ def test_import_that_keeps_failing_aborts_the_step(
     file, _ = weights_file(tmp_path)
     root = tmp_path / "dst"
     faulty.FAULTS[:] = [("commit", "broken")]
-    code = main(["import", str(file), "--to", f"faulty+file://{root}", "--step", "4", "-q"])
+    code = main(["import", str(file), "--to", f"flaky://{root}", "--step", "4", "-q"])
     assert code == EXIT_STORAGE
     assert "commit: injected permanent failure" in capsys.readouterr().err
     (tier,) = faulty.BUILT
@@ -116,11 +146,11 @@ def test_copy_retries_then_aborts_like_the_engine(tmp_path: Path, faulty: Module
             ckpt.snapshot({"w": torch.full((4000,), float(step))}, step=step).wait()
     dst = tmp_path / "dst"
     faulty.FAULTS[:] = [("put_shard", 3), ("begin", 1)]
-    assert main(["copy", str(src), f"faulty+file://{dst}", "--step", "1", "-q"]) == EXIT_OK
+    assert main(["copy", str(src), f"flaky://{dst}", "--step", "1", "-q"]) == EXIT_OK
     assert torch.equal(restored(dst, 1)["w"], torch.full((4000,), 1.0))
 
     faulty.FAULTS[:] = [("put_shard", "broken")]
-    code = main(["copy", str(src), f"faulty+file://{dst}", "--step", "2", "-q"])
+    code = main(["copy", str(src), f"flaky://{dst}", "--step", "2", "-q"])
     assert code == EXIT_STORAGE
     tier = faulty.BUILT[-1]
     assert tier.calls["put_shard"] == 4 and tier.calls["abort"] == 1
