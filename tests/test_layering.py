@@ -52,7 +52,27 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_tier", "tier"),
     ("_capture", "_cuda", "_restore", "_dtensor", "_engine", "_preemption"),
     ("", "_checkpointer", "timeline"),
-    ("cli", "integrations", "testing"),
+    (
+        "cli",
+        "cli._status",
+        "cli._console",
+        "cli._location",
+        "cli._read",
+        "cli._formats",
+        "cli._inspect",
+        "cli._verify",
+        "cli._export",
+        "cli._write",
+        "cli._import",
+        "cli._copy",
+        "cli._gc",
+        "cli._timeline",
+        "cli._main",
+        "cli.__main__",
+        "__main__",
+        "integrations",
+        "testing",
+    ),
 )
 
 

@@ -110,6 +110,8 @@ class FileTier(Tier):
             writing is refused. A reader works beside a running writer.
     """
 
+    # the locations the command line opens with this tier: local paths (and file:// URLs)
+    url_schemes = ("file",)
     level = TierLevel.LOCAL
     default_name = "file"
 

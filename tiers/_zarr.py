@@ -150,6 +150,10 @@ class ZarrTier(ZarrWriter):
             one until then. Hosts' clocks must agree to well within it.
     """
 
+    # the locations the command line opens with this tier: s3:// URLs, and a local directory
+    # whose root holds the Zarr group's metadata
+    url_schemes = ("s3",)
+    location_marker = "zarr.json"
     level = TierLevel.PFS
     default_name = "zarr"
 
