@@ -31,6 +31,7 @@ async def _readback(loc: Location, m: Manifest, ui: Console, jobs: int) -> list[
 
 
 async def copy_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt copy``: copy each step, checked as read, then read back (see ``--help``)."""
     async with opened(args.src) as src, opened(args.dst, create=True) as dst:
         if args.step:
             steps = [s for step in args.step for s in await pick_steps(src, step)]
