@@ -57,7 +57,7 @@ from ._errors import (
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._state import Event, ShardState, StateTable, advance, build_table
-from ._tier import SupportsGlobalCommit, SupportsStaging, Tier
+from ._tier import SupportsGlobalCommit, SupportsStaging, Tier, backend_errors
 from ._tree import TensorRef
 
 __all__ = ["Engine", "EngineOptions", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
@@ -234,7 +234,7 @@ class Engine:
             self.rank, self.world_size = context
             self._check_distributed()
             for t in self.tiers:
-                t.rank, t.world_size = self.rank, self.world_size
+                t.bind(self.rank, self.world_size)
             # a peer may legitimately spend a tier operation's every attempt between two
             # collectives (rank 0's commit_global on ZarrTier, say): wait that long for it
             o = self.options
@@ -958,18 +958,18 @@ async def call_tier(
 async def _call_once(
     tier: str, what: str, call: Callable[[], Awaitable[T]], deadline: float | None
 ) -> T:
+    async def mapped() -> T:
+        # a tier maps its backend's errors at its own boundary; this covers a tier that lets
+        # one through, with the same one mapping (out of space stays TierFullError)
+        with backend_errors(tier, what):
+            return await call()
+
     try:
         if deadline is None:
-            return await call()
+            return await mapped()
         async with asyncio.timeout(deadline):
-            return await call()
+            return await mapped()
     except TimeoutError as exc:
         raise DeadlineExceededError(
             f"tier {tier!r}: {what} took longer than the {deadline}s deadline"
         ) from exc
-    except LazyCkptError:
-        raise
-    except OSError as exc:
-        raise TierBrokenError(f"{what}: {exc}", tier=tier) from exc
-    except Exception as exc:
-        raise TierBrokenError(f"{what}: unexpected {exc!r}", tier=tier) from exc

@@ -172,7 +172,7 @@ def test_the_plugin_interface_is_one_module() -> None:
         if isinstance(node, ast.ClassDef) and node.name.startswith("Supports")
     } - {"SupportsMetrics"}  # what export_prometheus takes: a Checkpointer's ability, not a tier's
     assert defined >= {"SupportsStaging", "SupportsGlobalCommit", "SupportsRankManifests", "SupportsBlockRead"}
-    needed = defined | {"Tier", "Retention", "translate_os_error", "load_tier", "TierBrokenError"}
+    needed = defined | {"Tier", "Retention", "backend_errors", "translate_os_error", "load_tier", "TierBrokenError"}
     assert needed <= set(lazyckpt.tier.__all__)
     for name in lazyckpt.tier.__all__:
         assert hasattr(lazyckpt.tier, name), name
