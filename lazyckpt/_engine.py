@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import crc32c
 import torch
@@ -56,46 +56,15 @@ from ._errors import (
 )
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
+from ._options import CheckpointerOptions
 from ._state import Event, ShardState, StateTable, advance, build_table
 from ._tier import SupportsGlobalCommit, SupportsStaging, Tier, backend_errors
 from ._tree import TensorRef
 
-__all__ = ["Engine", "EngineOptions", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
+__all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 
 log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Tunables of the engine (the Checkpointer's keyword arguments)."""
-
-    layout: LayoutOptions = field(default_factory=LayoutOptions)
-    allow_pickle: bool = False
-    capture_threads: int = 2
-    checksum_threads: int | None = None
-    io_concurrency: int = 4
-    deadline: float | None = 300.0
-    retries: int = 3
-    retry_backoff: float = 0.05
-    when_busy: Literal["wait", "skip"] = "wait"
-    staging_bytes: int = 256 << 20
-    use_uvloop: bool | None = None
-    distributed: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.capture_threads < 1 or self.io_concurrency < 1:
-            raise ConfigurationError("capture_threads and io_concurrency must be at least 1")
-        if self.checksum_threads is not None and self.checksum_threads < 1:
-            raise ConfigurationError(
-                f"checksum_threads must be at least 1 (or None), got {self.checksum_threads}"
-            )
-        if self.retries < 0 or self.retry_backoff < 0:
-            raise ConfigurationError("retries and retry_backoff must not be negative")
-        if self.deadline is not None and not self.deadline > 0:
-            raise ConfigurationError(f"deadline must be positive seconds, got {self.deadline}")
-        if self.when_busy not in ("wait", "skip"):
-            raise ConfigurationError(f"when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
 
 
 @dataclass
@@ -156,7 +125,7 @@ class Flight:
 class Engine:
     """See the module docstring. Built by the Checkpointer; not public."""
 
-    def __init__(self, tiers: Sequence[Tier], options: EngineOptions) -> None:
+    def __init__(self, tiers: Sequence[Tier], options: CheckpointerOptions) -> None:
         tiers = list(tiers)
         if not tiers:
             raise ConfigurationError("a Checkpointer needs at least one tier")
@@ -190,12 +159,14 @@ class Engine:
             self.arena: HostArena = self.staging.arena
         else:
             self.arena = HostArena(options.staging_bytes)
-        if self.arena.capacity < options.layout.shard_size:
+        # the shard layout: the defaults of shard_size and pack_bytes depend on the arena
+        self.layout: LayoutOptions = options.layout(self.arena.capacity)
+        if self.arena.capacity < self.layout.shard_size:
             raise ConfigurationError(
                 f"the host arena ({self.arena.capacity} bytes) is smaller than one shard "
-                f"({options.layout.shard_size} bytes); raise capacity_bytes or lower shard_size"
+                f"({self.layout.shard_size} bytes); raise capacity_bytes or lower shard_size"
             )
-        self.loop = EngineLoop(use_uvloop=options.use_uvloop)
+        self.loop = EngineLoop(use_uvloop=options.use_uvloop)  # started by open()
         self.capture: CaptureBackend = _default_capture(options)
         self.checksums = ChecksumPool(options.checksum_threads)
         self.flights: dict[int, Flight] = {}
@@ -237,9 +208,7 @@ class Engine:
                 t.bind(self.rank, self.world_size)
             # a peer may legitimately spend a tier operation's every attempt between two
             # collectives (rank 0's commit_global on ZarrTier, say): wait that long for it
-            o = self.options
-            per_call = o.deadline or 300.0
-            timeout = per_call * (1 + o.retries) + o.retry_backoff * 2 ** (o.retries + 1)
+            timeout = self.options.retry_window()
             self.coordinator = await loop.run_in_executor(
                 None, Coordinator, self.rank, self.world_size, len(self.durable), timeout
             )
@@ -890,7 +859,7 @@ class Engine:
         }
 
 
-def _default_capture(options: EngineOptions) -> CaptureBackend:
+def _default_capture(options: CheckpointerOptions) -> CaptureBackend:
     if torch.cuda.is_available():
         return CudaCapture(cpu_threads=options.capture_threads)
     return CpuCapture(options.capture_threads)

@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 
 import crc32c
 
-from .._engine import EngineOptions, RetryPolicy, call_tier
+from .._engine import RetryPolicy, call_tier
 from .._errors import CorruptionError
 from .._manifest import Manifest, ShardMeta
+from .._options import CheckpointerOptions
 from .._tier import Tier
 from ._console import Console
 from ._read import ShardReader, damage_keys
@@ -25,7 +26,7 @@ from ._read import ShardReader, damage_keys
 T = TypeVar("T")
 
 # A Checkpointer's defaults: a command is as patient with a tier as training is.
-DEFAULT_POLICY: RetryPolicy = EngineOptions()
+DEFAULT_POLICY: RetryPolicy = CheckpointerOptions()
 
 
 class SnapshotWrite:
