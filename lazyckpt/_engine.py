@@ -904,8 +904,8 @@ async def call_tier(
 
     Raises:
         DeadlineExceededError: the last attempt took longer than the deadline.
-        TierError: the last attempt failed (an ``OSError`` or any other exception comes
-            as :class:`TierBrokenError`, with it as the cause).
+        TierError: the last attempt failed (a backend's own error mapped as at the tier
+            boundary, by :func:`~lazyckpt.tier.backend_errors`, with it as the cause).
     """
     attempts = 1 + (policy.retries if retry else 0)
     delay = policy.retry_backoff
