@@ -44,7 +44,7 @@ from ._options import CheckpointerOptions
 from ._preemption import DrainReport, PreemptionHandler
 from ._restore import VerifyReport, committed_steps, restore_lazily, restore_state, verify_step
 from ._tier import Tier
-from ._tree import TensorRef, walk_state
+from ._tree import KeyCache, TensorRef, walk_state
 
 __all__ = [
     "Checkpointer",
@@ -165,7 +165,9 @@ class _Core:
         self._closing = False
         self._open_lock = threading.Lock()
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []
-        self._plan_cache: tuple[tuple[Any, ...], Manifest] | None = None
+        # the last plan: its signature, the manifest, and its tensor bytes (summed once)
+        self._plan_cache: tuple[tuple[Any, ...], Manifest, int] | None = None
+        self._keys = KeyCache()  # the state's key paths, kept from one snapshot to the next
         self._at_exit: Callable[[], None] | None = None
         self._owned_cache: tuple[tuple[Any, ...], set[int]] | None = None
         # lazy restores: per guarded optimizer (by id) the future of its state's restore,
@@ -228,7 +230,9 @@ class _Core:
         self.report_failures()
         self.wait_restored_blocking()  # a snapshot must not see half-loaded optimizer state
         with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
-            tree, refs = walk_state(state, allow_pickle=self.options.allow_pickle)
+            tree, refs = walk_state(
+                state, allow_pickle=self.options.allow_pickle, keys=self._keys
+            )
             # before anything can change them: copy what a forward pass may change (see
             # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below
             chosen = self.policy.choose(refs, self.owned_pointers())
@@ -237,7 +241,7 @@ class _Core:
             if any(r.dist is not None for r in refs):
                 dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
                 assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
-            manifest = self._plan(step, tree, refs)
+            manifest, nbytes = self._plan(step, tree, refs)
         if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
             self.engine.skipped += 1
             warnings.warn(
@@ -247,7 +251,7 @@ class _Core:
                 stacklevel=stacklevel,
             )
             return SnapshotHandle(self.engine, None, step)
-        flight = Flight(manifest, refs, self.engine.stage_names)
+        flight = Flight(manifest, refs, self.engine.stage_names, nbytes)
         self._last_step = step
         if self.cuda is not None:
             self.cuda.mark_snapshot(step)  # the point on the stream it must see
@@ -310,10 +314,11 @@ class _Core:
             self._owned_cache = (shape, optimizer_pointers(live))
         return self._owned_cache[1]
 
-    def _plan(self, step: int, tree: Any, refs: list[TensorRef]) -> Manifest:
-        """The layout for this snapshot; reused from the previous one when every tensor has
-        the same key, dtype, shape, aliasing and placement (the usual case: the same model
-        and optimizer every step), since planning is most of ``snapshot()``'s cost."""
+    def _plan(self, step: int, tree: Any, refs: list[TensorRef]) -> tuple[Manifest, int]:
+        """The layout for this snapshot and its tensor bytes; reused from the previous one
+        when every tensor has the same key, dtype, shape, aliasing and placement (the usual
+        case: the same model and optimizer every step), since planning is most of
+        ``snapshot()``'s cost."""
         # parallel tuples rather than one tuple per tensor: fewer objects for the collector
         signature = (
             tuple(r.key for r in refs),
@@ -325,7 +330,8 @@ class _Core:
         pickled = self.options.allow_pickle and "$pickle" in _tags(tree)
         cached = self._plan_cache
         if cached is not None and cached[0] == signature:
-            return replace(cached[1], step=step, tree=tree, pickled=pickled, created=time.time())
+            fresh = replace(cached[1], step=step, tree=tree, pickled=pickled, created=time.time())
+            return fresh, cached[2]
         manifest = plan_layout(
             step,
             tree,
@@ -335,8 +341,8 @@ class _Core:
             rank=self.engine.rank,
             world_size=self.engine.world_size,
         )
-        self._plan_cache = (signature, manifest)
-        return manifest
+        self._plan_cache = (signature, manifest, manifest.tensor_bytes)
+        return manifest, self._plan_cache[2]
 
     def wait_captured_blocking(self, *, report: bool = True) -> float:
         """Block until every pending capture is done; return the seconds waited. With
@@ -453,6 +459,7 @@ class _Core:
             step = agreed[-1]
 
         rank, world = self.engine.rank, self.engine.world_size
+        checksum = self.engine.checksums.checksum_bytes  # the pool's, not the default executor
         manifest, sources = await read_base_manifest(self.engine.tiers, step, rank, world)
         protected = self.engine.protected
         protected[manifest.step] = protected.get(manifest.step, 0) + 1
@@ -468,6 +475,7 @@ class _Core:
                     into=into,
                     map_location=map_location,
                     allow_pickle=self.options.allow_pickle,
+                    checksum=checksum,
                 )
             if deferred:
                 rest = await restore_lazily(
@@ -477,6 +485,7 @@ class _Core:
                     deferred=set(deferred),
                     map_location=map_location,
                     allow_pickle=self.options.allow_pickle,
+                    checksum=checksum,
                 )
                 if rest is not None:
                     self._start_lazy(manifest.step, rest, deferred.values())
@@ -488,6 +497,7 @@ class _Core:
                 into=into,
                 map_location=map_location,
                 allow_pickle=self.options.allow_pickle,
+                checksum=checksum,
             )
         finally:
             if not handed_over:
@@ -539,7 +549,9 @@ class _Core:
     async def verify_on_engine(self, step: int | None) -> VerifyReport:
         if step is not None and (type(step) is not int or step < 0):
             raise ConfigurationError(f"step must be a non-negative int or None, got {step!r}")
-        return await verify_step(self.engine.tiers, step)
+        return await verify_step(
+            self.engine.tiers, step, checksum=self.engine.checksums.checksum_bytes
+        )
 
     async def steps_on_engine(self) -> list[int]:
         listing = await committed_steps(self.engine.tiers)  # a tier that is down is skipped

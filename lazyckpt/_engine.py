@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-import crc32c
 import torch
 
 from . import hooks
@@ -47,13 +46,13 @@ from ._distributed import Coordinator, distributed_context
 from ._errors import (
     CheckpointerClosedError,
     ConfigurationError,
-    CorruptionError,
     DeadlineExceededError,
     LazyCkptError,
     SnapshotFailedError,
     TierBrokenError,
     TierFullError,
 )
+from ._fetch import read_copy
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._options import CheckpointerOptions
@@ -84,7 +83,11 @@ class Flight:
     """A snapshot on its way through the tiers."""
 
     def __init__(
-        self, manifest: Manifest, refs: Sequence[TensorRef], tier_names: Sequence[str]
+        self,
+        manifest: Manifest,
+        refs: Sequence[TensorRef],
+        tier_names: Sequence[str],
+        tensor_bytes: int | None = None,
     ) -> None:
         self.manifest = manifest
         self.refs = refs
@@ -98,7 +101,8 @@ class Flight:
         self.failed_from: int | None = None  # first stage index that failed (0 = capture)
         self.errors: list[Exception] = []
         self.t_submit = time.perf_counter()
-        self.stats = SnapshotStats(step=manifest.step, bytes=manifest.tensor_bytes, shards=n)
+        nbytes = manifest.tensor_bytes if tensor_bytes is None else tensor_bytes
+        self.stats = SnapshotStats(step=manifest.step, bytes=nbytes, shards=n)
         # per durable tier: its begin(), running beside the capture; True once it succeeded
         self.begun: list[asyncio.Task[bool]] = []
         # a host-only chain: the blocks this snapshot keeps, held until it commits or fails,
@@ -568,22 +572,24 @@ class Engine:
         self.arena.release(block)
 
     async def _refetch(self, flight: Flight, shard: ShardMeta, stage: int) -> Block:
+        """Read an evicted shard back from the tier of ``stage`` into a new block, verified
+        (``_fetch``), under that tier's deadline and retries."""
         tier = self.durable[stage - 1]
         block = await self.arena.allocate(shard.length)
+
+        async def read(source: Tier, out: memoryview) -> None:
+            what = f"read shard {shard.index}"
+            await self._guarded(stage, what, partial(source.read_shard, flight.manifest, shard, out))
+
         try:
-            out = block.memoryview()
-            await self._guarded(
-                stage,
-                f"read shard {shard.index}",
-                partial(tier.read_shard, flight.manifest, shard, out),
+            await read_copy(
+                flight.manifest,
+                shard,
+                tier,
+                block.memoryview(),
+                checksum=self.checksums.checksum_bytes,
+                read=read,
             )
-            loop = asyncio.get_running_loop()
-            crc = await loop.run_in_executor(None, crc32c.crc32c, block.memoryview())
-            if crc != shard.crc32c:
-                raise CorruptionError(
-                    f"shard {shard.index} of step {flight.step} read back from tier "
-                    f"{tier.name!r} does not match its checksum"
-                )
         except BaseException:
             self.arena.release(block)
             raise
