@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -57,10 +57,10 @@ from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._options import CheckpointerOptions
 from ._state import Event, ShardState, StateTable, advance, build_table
-from ._tier import SupportsGlobalCommit, SupportsStaging, Tier
+from ._tier import SupportsGlobalCommit, SupportsStaging, Tier, backend_errors
 from ._tree import TensorRef
 
-__all__ = ["Engine", "Flight", "SnapshotStats"]
+__all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 
 log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
@@ -209,7 +209,7 @@ class Engine:
             self.rank, self.world_size = context
             self._check_distributed()
             for t in self.tiers:
-                t.rank, t.world_size = self.rank, self.world_size
+                t.bind(self.rank, self.world_size)
             # a peer may legitimately spend a tier operation's every attempt between two
             # collectives (rank 0's commit_global on ZarrTier, say): wait that long for it
             timeout = self.options.retry_window()
@@ -350,41 +350,8 @@ class Engine:
     async def _guarded(
         self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
     ) -> T:
-        """Run a tier operation under the deadline, retrying transient failures with
-        exponential back-off, and translating whatever is not yet a lazyckpt error."""
-        name = self.stage_names[stage]
-        attempts = 1 + (self.options.retries if retry else 0)
-        delay = self.options.retry_backoff
-        for attempt in range(1, attempts + 1):
-            try:
-                return await self._once(name, what, call)
-            except (TierBrokenError, DeadlineExceededError) as exc:
-                if attempt == attempts:
-                    raise
-                log.info(
-                    "%s on %s failed (attempt %d of %d), retrying in %.2fs: %s",
-                    what, name, attempt, attempts, delay, exc, extra={"tier": name},
-                )
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _once(self, name: str, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        try:
-            if self.options.deadline is None:
-                return await call()
-            async with asyncio.timeout(self.options.deadline):
-                return await call()
-        except TimeoutError as exc:
-            raise DeadlineExceededError(
-                f"tier {name!r}: {what} took longer than the {self.options.deadline}s deadline"
-            ) from exc
-        except LazyCkptError:
-            raise
-        except OSError as exc:
-            raise TierBrokenError(f"{what}: {exc}", tier=name) from exc
-        except Exception as exc:
-            raise TierBrokenError(f"{what}: unexpected {exc!r}", tier=name) from exc
+        """Run a tier operation of a stage through :func:`call_tier`, under the options."""
+        return await call_tier(self.stage_names[stage], what, call, self.options, retry=retry)
 
     def _fail(self, flight: Flight, stage: int, exc: Exception) -> None:
         if flight.failed_from is None or stage < flight.failed_from:
@@ -903,3 +870,81 @@ def _default_capture(options: CheckpointerOptions) -> CaptureBackend:
         return CudaCapture(cpu_threads=options.capture_threads)
     return CpuCapture(options.capture_threads)
 
+
+# -- one tier operation ----------------------------------------------------------------------
+
+
+class RetryPolicy(Protocol):
+    """How long one tier operation may take and how often it is retried (the options)."""
+
+    @property
+    def deadline(self) -> float | None: ...
+
+    @property
+    def retries(self) -> int: ...
+
+    @property
+    def retry_backoff(self) -> float: ...
+
+
+async def call_tier(
+    tier: str,
+    what: str,
+    call: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    *,
+    retry: bool = True,
+) -> T:
+    """Run one operation on a tier under the policy's deadline, retrying transient failures
+    (a broken backend, a missed deadline) with jittered exponential back-off, and
+    translating whatever is not yet a lazyckpt error. Every write the engine makes goes
+    through here; so do the command line's (``import``, ``copy``).
+
+    Args:
+        tier: the tier's name, for messages and logs.
+        what: the operation, for messages (``"put shard 3"``).
+        call: makes a fresh awaitable for each attempt.
+        policy: ``deadline`` (seconds per attempt, None for none), ``retries`` and
+            ``retry_backoff`` (the first back-off, doubled for each retry).
+        retry: False runs it once (an operation that must not be repeated).
+
+    Raises:
+        DeadlineExceededError: the last attempt took longer than the deadline.
+        TierError: the last attempt failed (an ``OSError`` or any other exception comes
+            as :class:`TierBrokenError`, with it as the cause).
+    """
+    attempts = 1 + (policy.retries if retry else 0)
+    delay = policy.retry_backoff
+    for attempt in range(1, attempts + 1):
+        try:
+            return await _call_once(tier, what, call, policy.deadline)
+        except (TierBrokenError, DeadlineExceededError) as exc:
+            if attempt == attempts:
+                raise
+            log.info(
+                "%s on %s failed (attempt %d of %d), retrying in %.2fs: %s",
+                what, tier, attempt, attempts, delay, exc, extra={"tier": tier},
+            )
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _call_once(
+    tier: str, what: str, call: Callable[[], Awaitable[T]], deadline: float | None
+) -> T:
+    async def mapped() -> T:
+        # a tier maps its backend's errors at its own boundary; this covers a tier that lets
+        # one through, with the same one mapping (out of space stays TierFullError)
+        with backend_errors(tier, what):
+            return await call()
+
+    try:
+        if deadline is None:
+            return await mapped()
+        async with asyncio.timeout(deadline):
+            return await mapped()
+    except TimeoutError as exc:
+        raise DeadlineExceededError(
+            f"tier {tier!r}: {what} took longer than the {deadline}s deadline"
+        ) from exc
