@@ -19,7 +19,7 @@ from lazyckpt import (
     LayoutOptions,
     Manifest,
     UnsupportedStateError,
-    _checkpointer,
+    _core,
 )
 from lazyckpt._gc import collector_paused
 from lazyckpt._manifest import plan_layout
@@ -53,13 +53,13 @@ def test_snapshot_walks_with_the_collector_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, collector_on: None
 ) -> None:
     seen: list[bool] = []
-    real = _checkpointer.walk_state
+    real = _core.walk_state
 
     def spy(*args: object, **kwargs: object) -> object:
         seen.append(gc.isenabled())
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_checkpointer, "walk_state", spy)
+    monkeypatch.setattr(_core, "walk_state", spy)
     with lazyckpt.SyncCheckpointer([FileTier(tmp_path)]) as ckpt:
         ckpt.snapshot({"w": torch.ones(3)}, step=1).wait()
         assert gc.isenabled()
