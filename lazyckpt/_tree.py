@@ -204,8 +204,8 @@ class KeyCache:
     Args:
         limit: entries kept per table before it is cleared and refilled. The default has
             room for the keys of a state of some 250,000 tensors; a state with more keys
-            than the limit pays the full per-key cost on every walk (see
-            ``docs/benchmarks.md``).
+            than the limit pays the full per-key cost on every walk (``docs/design.md``,
+            "Figures behind choices in the code").
     """
 
     def __init__(self, limit: int = 1 << 18) -> None:
