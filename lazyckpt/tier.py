@@ -11,6 +11,8 @@ checked with ``isinstance``:
   once every rank's part is durable (``commit_global``).
 - :class:`SupportsRankManifests`: any rank's part of a step can be read (resharding
   restores, replicated tensors written once).
+- :class:`SupportsReferences`: the tier stores incremental snapshots (a shard may be read
+  from an earlier step's stored data; retention keeps what committed steps refer to).
 - :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
   copying it out (restores into device tensors straight from pinned memory).
 
@@ -43,6 +45,7 @@ from ._tier import (
     SupportsBlockRead,
     SupportsGlobalCommit,
     SupportsRankManifests,
+    SupportsReferences,
     SupportsStaging,
     Tier,
     available_tiers,
@@ -66,6 +69,7 @@ __all__ = [
     "SupportsBlockRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
+    "SupportsReferences",
     "SupportsStaging",
     "TensorMeta",
     "Tier",
