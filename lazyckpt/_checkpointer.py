@@ -175,6 +175,7 @@ class _Core:
         exit_timeout: float,
         preemption_signals: Any,
         preemption_grace: float,
+        incremental: bool | Literal["versions"],
     ) -> None:
         if on_failure not in ("warn", "raise"):
             raise ConfigurationError(f"on_failure must be 'warn' or 'raise', got {on_failure!r}")
@@ -212,6 +213,7 @@ class _Core:
             staging_bytes=staging_bytes,
             use_uvloop=use_uvloop,
             distributed=distributed,
+            incremental=incremental,
         )
         self.engine = Engine(tiers, options)
         if verify_sources:
@@ -941,6 +943,7 @@ _DEFAULTS: dict[str, Any] = {
     "exit_timeout": 10.0,
     "preemption_signals": (),
     "preemption_grace": 25.0,
+    "incremental": False,
 }
 
 
@@ -1021,6 +1024,16 @@ class Checkpointer:
             Default: none. See ``docs/guarantees.md`` ("Preemption").
         preemption_grace: seconds the preemption handler drains at most (default 25: most
             schedulers kill 30 s after the notice).
+        incremental: write to a tier only the shards whose bytes differ from its newest
+            committed snapshot (frozen weights, adapters, sparse updates); each step's
+            manifest refers to the stored copy of the others, and stays restorable on its
+            own. ``True``: every shard is still captured, and compared by its crc32c and a
+            128-bit SHA-256 digest. ``"versions"``: in addition, a shard whose tensors all
+            have the version counter and storage of its last capture (and do not require
+            grad) is not captured at all; a write that bypasses the version counter (through
+            ``.data``, a numpy view, a custom kernel) is then missed. Needs tiers that
+            support it (``FileTier``, ``ZarrTier``); others get every shard. Default
+            ``False``. See ``docs/guarantees.md`` ("Incremental snapshots").
         distributed: coordinate commits with the other ranks over torch.distributed
             (``None``: when it is initialized with more than one rank). Then every rank
             must open the Checkpointer, snapshot the same steps in the same order, and

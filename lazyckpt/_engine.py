@@ -255,6 +255,7 @@ class Engine:
         self.tier_bytes: dict[str, int] = dict.fromkeys(self.stage_names, 0)
         self.tier_seconds: dict[str, float] = dict.fromkeys(self.stage_names, 0.0)
         self.tier_reused: dict[str, int] = dict.fromkeys(self.stage_names, 0)
+        self.uncaptured_bytes = 0  # incremental="versions": bytes not captured at all
 
     # -- life cycle (any thread) -----------------------------------------------------------
 
@@ -750,6 +751,7 @@ class Engine:
             flight.crcs[i], flight.digests[i] = last.crc, last.digest
             if all(self._reuse(flight, k, i) for k in range(1, len(self.stage_names))):
                 flight.uncaptured.add(i)
+                self.uncaptured_bytes += shard.length
             else:
                 for refs in flight.stored_in:
                     refs.pop(i, None)
@@ -1139,6 +1141,7 @@ class Engine:
             "snapshots_in_flight": len(self.flights),
             "snapshots_skipped": self.skipped,
             "snapshots_failed": self.failed,
+            "capture_skipped_bytes": self.uncaptured_bytes,
             "arena": {
                 "capacity": arena.capacity,
                 "held": arena.held,

@@ -613,6 +613,7 @@ class FileTier(Tier):
             # removes it once no committed step refers to it
             with contextlib.suppress(FileNotFoundError):
                 os.close(os.open(d / RETIRED, os.O_WRONLY | os.O_CREAT, 0o644))
+            hooks.point("file.delete.retired")
         with contextlib.suppress(FileNotFoundError):
             (d / MANIFEST).unlink()
             fsync_dir(d)
@@ -670,6 +671,7 @@ class FileTier(Tier):
             d = self._dir(step)
             if (d / MANIFEST).exists():  # committed again meanwhile
                 continue
+            hooks.point("file.collect.before_remove")
             try:
                 remove_tree(d)
             except OSError as exc:
