@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import fnmatch
 import hashlib
 import os
 import re
@@ -32,7 +31,7 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import crc32c
 import torch
@@ -40,6 +39,7 @@ import torch
 from ._arena import Block
 from ._errors import ConfigurationError, ImmutabilityViolationError
 from ._manifest import Manifest, ShardMeta
+from ._options import CheckpointerOptions, compile_patterns
 from ._tree import TensorRef
 
 __all__ = [
@@ -257,21 +257,6 @@ def optimizer_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     return found
 
 
-def _compile(patterns: Sequence[str], what: str) -> re.Pattern[str] | None:
-    if (
-        isinstance(patterns, str)
-        or not isinstance(patterns, Sequence)
-        or not all(isinstance(p, str) for p in patterns)
-    ):
-        raise ConfigurationError(
-            f"{what} must be a list or tuple of key patterns such as 'model/ema.*', "
-            f"got {patterns!r}"
-        )
-    if not patterns:
-        return None
-    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
-
-
 @dataclass(frozen=True)
 class EagerPolicy:
     """Which tensors ``snapshot()`` copies at once instead of leaving them to the capture.
@@ -289,14 +274,14 @@ class EagerPolicy:
     _lazy_re: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if type(self.eager_bytes) is not int or self.eager_bytes < 0:
-            raise ConfigurationError(
-                f"eager_bytes must be a non-negative int (bytes), got {self.eager_bytes!r}"
-            )
-        object.__setattr__(self, "_eager_re", _compile(self.eager, "eager"))
-        object.__setattr__(self, "_lazy_re", _compile(self.lazy, "lazy"))
-        object.__setattr__(self, "eager", tuple(self.eager))
-        object.__setattr__(self, "lazy", tuple(self.lazy))
+        # the options' own checks, so these three are validated in one place
+        checked = CheckpointerOptions(
+            eager_bytes=self.eager_bytes, eager=cast(Any, self.eager), lazy=cast(Any, self.lazy)
+        )
+        object.__setattr__(self, "eager", checked.eager)
+        object.__setattr__(self, "lazy", checked.lazy)
+        object.__setattr__(self, "_eager_re", compile_patterns(checked.eager, "eager"))
+        object.__setattr__(self, "_lazy_re", compile_patterns(checked.lazy, "lazy"))
 
     def choose(self, refs: Sequence[TensorRef], owned: set[int]) -> list[int]:
         """Indexes of the refs to copy now (aliases follow the tensor they alias)."""

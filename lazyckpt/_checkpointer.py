@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,7 +27,7 @@ from ._dtensor import (
     read_base_manifest,
     restore_resharded,
 )
-from ._engine import Engine, EngineOptions, Flight, SnapshotStats
+from ._engine import Engine, Flight, SnapshotStats
 from ._errors import (
     CheckpointerClosedError,
     ConfigurationError,
@@ -39,10 +39,11 @@ from ._errors import (
     SnapshotSkippedWarning,
 )
 from ._gc import collector_paused
-from ._manifest import LayoutOptions, Manifest, plan_layout
-from ._preemption import DrainReport, PreemptionHandler, check_signals
+from ._manifest import Manifest, plan_layout
+from ._options import CheckpointerOptions
+from ._preemption import DrainReport, PreemptionHandler
 from ._restore import VerifyReport, committed_steps, restore_lazily, restore_state, verify_step
-from ._tier import SupportsStaging, Tier
+from ._tier import Tier
 from ._tree import TensorRef, walk_state
 
 __all__ = [
@@ -150,75 +151,16 @@ class SnapshotHandle:
 class _Core:
     """What both facades share: the engine and the synchronous half of every operation."""
 
-    def __init__(
-        self,
-        tiers: Sequence[Tier],
-        *,
-        shard_size: int | None,
-        pack_bytes: int | None,
-        allow_pickle: bool,
-        capture_threads: int,
-        checksum_threads: int | None,
-        io_concurrency: int,
-        deadline: float | None,
-        retries: int,
-        retry_backoff: float,
-        when_busy: Literal["wait", "skip"],
-        staging_bytes: int,
-        use_uvloop: bool | None,
-        distributed: bool | None,
-        on_failure: Literal["warn", "raise"],
-        eager_bytes: int,
-        eager: Sequence[str],
-        lazy: Sequence[str],
-        verify_sources: bool,
-        exit_timeout: float,
-        preemption_signals: Any,
-        preemption_grace: float,
-        incremental: bool | Literal["versions"],
-    ) -> None:
-        if on_failure not in ("warn", "raise"):
-            raise ConfigurationError(f"on_failure must be 'warn' or 'raise', got {on_failure!r}")
-        if type(verify_sources) is not bool:
-            raise ConfigurationError(f"verify_sources must be True or False, got {verify_sources!r}")
-        if not exit_timeout >= 0:
-            raise ConfigurationError(f"exit_timeout must be seconds >= 0, got {exit_timeout!r}")
-        signals, self.preemption_grace = check_signals(preemption_signals, preemption_grace)
-        self.preemption = PreemptionHandler(signals, self._on_preemption)
+    def __init__(self, tiers: Sequence[Tier], options: CheckpointerOptions) -> None:
+        self.options = options
+        self.preemption = PreemptionHandler(options.preemption_signals, self._on_preemption)
         self.preempted: int | None = None  # the signal that stopped snapshots
-        self.policy = EagerPolicy(eager_bytes, eager, lazy)
-        self.on_failure = on_failure
-        self.verify_sources = verify_sources
-        self.exit_timeout = exit_timeout
+        self.policy = EagerPolicy(options.eager_bytes, options.eager, options.lazy)
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence):
             raise ConfigurationError("tiers must be a list of Tier objects, fastest first")
-        if shard_size is None:
-            # 16 MiB, or small enough that the arena holds at least four shards at once
-            first = tiers[0] if tiers else None
-            arena = first.arena.capacity if isinstance(first, SupportsStaging) else staging_bytes
-            shard_size = max(4096, min(16 << 20, arena // 4 // 4096 * 4096))
-        options = EngineOptions(
-            layout=LayoutOptions(
-                shard_size=shard_size,
-                pack_bytes=min(1 << 20, shard_size // 4) if pack_bytes is None else pack_bytes,
-            ),
-            allow_pickle=allow_pickle,
-            capture_threads=capture_threads,
-            checksum_threads=checksum_threads,
-            io_concurrency=io_concurrency,
-            deadline=deadline,
-            retries=retries,
-            retry_backoff=retry_backoff,
-            when_busy=when_busy,
-            staging_bytes=staging_bytes,
-            use_uvloop=use_uvloop,
-            distributed=distributed,
-            incremental=incremental,
-        )
         self.engine = Engine(tiers, options)
-        if verify_sources:
-            self.engine.capture = VerifyingCapture(self.engine.capture, capture_threads)
-        self.options = options
+        if options.verify_sources:
+            self.engine.capture = VerifyingCapture(self.engine.capture, options.capture_threads)
         self._last_step: int | None = None
         self._closing = False
         self._open_lock = threading.Lock()
@@ -345,7 +287,7 @@ class _Core:
         """Apply the failure policy to the failures nobody has seen yet: raise them
         (``on_failure="raise"``), or drop them, since each was logged as it happened and is
         counted in ``metrics()["snapshots_failed"]`` (``"warn"``)."""
-        if self.on_failure == "raise":
+        if self.options.on_failure == "raise":
             self.engine.raise_unreported()
         else:
             self.engine.take_unreported()
@@ -388,7 +330,7 @@ class _Core:
             step,
             tree,
             refs,
-            self.options.layout,
+            self.engine.layout,
             pickled=pickled,
             rank=self.engine.rank,
             world_size=self.engine.world_size,
@@ -418,7 +360,7 @@ class _Core:
         if closure not in (None, True, False):
             raise ConfigurationError(f"closure must be None, True or False, got {closure!r}")
         resolved = resolve_guard_mode(mode, self.cuda)
-        if resolved == "stream" and self.verify_sources:
+        if resolved == "stream" and self.options.verify_sources:
             raise ConfigurationError(
                 'verify_sources=True needs guard(mode="cpu"): with the stream guard the '
                 "optimizer may legitimately change a source before its copy is seen "
@@ -729,12 +671,12 @@ class _Core:
             return
         log.warning(
             "lazyckpt: %s received: no new snapshots; draining %d in flight for up to %.0f s",
-            name, len(self.engine.flights), self.preemption_grace,
+            name, len(self.engine.flights), self.options.preemption_grace,
         )
-        future = self.engine.loop.submit(self.drain_on_engine(self.preemption_grace))
+        future = self.engine.loop.submit(self.drain_on_engine(self.options.preemption_grace))
         try:
             # a little beyond the grace: the drain itself stops waiting at the grace
-            report = future.result(self.preemption_grace + 1.0)
+            report = future.result(self.options.preemption_grace + 1.0)
         except concurrent.futures.TimeoutError:
             log.warning("lazyckpt: %s: the drain did not answer within the grace period", name)
             return
@@ -770,7 +712,7 @@ class _Core:
         drained = False
         # at exit there is nobody left to raise to: a tier that fails to close is ignored
         with contextlib.suppress(Exception):
-            self.engine.loop.submit(self.close_on_engine()).result(self.exit_timeout)
+            self.engine.loop.submit(self.close_on_engine()).result(self.options.exit_timeout)
             drained = True
         lost = [] if drained else sorted(self.engine.flights)
         self.engine.loop.stop()
@@ -806,7 +748,7 @@ class _Core:
         self._guards.clear()
         self.engine.loop.stop()
         errors = self.engine.take_unreported()
-        if errors and self.on_failure == "warn":
+        if errors and self.options.on_failure == "warn":
             return  # each was logged when it happened; the handles raise them
         if errors:
             if len(errors) == 1:
@@ -921,39 +863,8 @@ def _wrap_closure(
     return args, {**kwargs, "closure": closure}
 
 
-_DEFAULTS: dict[str, Any] = {
-    "shard_size": None,
-    "pack_bytes": None,
-    "allow_pickle": False,
-    "capture_threads": 2,
-    "checksum_threads": None,
-    "io_concurrency": 4,
-    "deadline": 300.0,
-    "retries": 3,
-    "retry_backoff": 0.05,
-    "when_busy": "wait",
-    "staging_bytes": 256 << 20,
-    "use_uvloop": None,
-    "distributed": None,
-    "on_failure": "warn",
-    "eager_bytes": 1 << 20,
-    "eager": (),
-    "lazy": (),
-    "verify_sources": False,
-    "exit_timeout": 10.0,
-    "preemption_signals": (),
-    "preemption_grace": 25.0,
-    "incremental": False,
-}
-
-
 def _make_core(tiers: Sequence[Tier], options: dict[str, Any]) -> _Core:
-    unknown = set(options) - set(_DEFAULTS)
-    if unknown:
-        raise ConfigurationError(
-            f"unknown Checkpointer options: {sorted(unknown)}; known: {sorted(_DEFAULTS)}"
-        )
-    return _Core(tiers, **{**_DEFAULTS, **options})
+    return _Core(tiers, CheckpointerOptions.from_kwargs(options))
 
 
 class Checkpointer:
@@ -968,76 +879,9 @@ class Checkpointer:
         tiers: the chain, fastest first: usually ``HostMemoryTier`` then ``FileTier`` and/or
             ``ZarrTier``. Without a host tier first, captures stage through a private arena
             of ``staging_bytes``.
-        shard_size: the unit of copying and writing, in bytes (multiple of 4096). Default:
-            16 MiB, or a quarter of the host arena if that is smaller.
-        pack_bytes: tensors up to this size are packed together into shared shards
-            (default: 1 MiB or a quarter of ``shard_size``, whichever is smaller).
-        allow_pickle: store (and restore) values that are not plain data with pickle. Off by
-            default: restoring then never runs code from a checkpoint.
-        capture_threads: threads copying CPU tensors into host memory (default 2).
-        checksum_threads: threads computing the shards' crc32c from host memory after the
-            capture, off the guard's path, at a lower scheduling priority (``None``: half
-            the cores, at most 8).
-        io_concurrency: shards in flight per durable tier.
-        deadline: seconds any single tier operation may take before it fails with
-            :class:`DeadlineExceededError` (``None``: no deadline). Default 300.
-        retries: how often a failed tier operation (a broken backend, a missed deadline) is
-            retried, with exponential back-off from ``retry_backoff`` seconds, before the
-            snapshot fails on that tier. A full tier is not retried.
-        when_busy: ``"wait"`` applies backpressure (the guard waits); ``"skip"`` drops a
-            snapshot that could not start at once (a capture is still running, or the host
-            arena has no room for it until slower tiers drain), with a
-            :class:`SnapshotSkippedWarning`.
-        staging_bytes: size of the private arena when the chain has no host tier.
-        use_uvloop: run the engine loop on uvloop (``None``: if installed).
-        on_failure: what a failed snapshot does to training. ``"warn"`` (default): training
-            goes on; one warning is logged per failed snapshot and
-            ``metrics()["snapshots_failed"]`` counts it. ``"raise"``: in addition, the next
-            ``snapshot()`` (or ``wait_captured()``, or closing) raises the failure nobody has
-            seen yet. Either way the handle's awaitables raise it, no tier it failed on
-            lists it, and the guard never raises into the optimizer step.
-        eager_bytes: tensors up to this size (bytes, default 1 MiB) that no guarded
-            optimizer owns are copied at ``snapshot()`` instead of lazily: module buffers
-            that the forward pass updates (BatchNorm statistics), small frozen tensors, RNG
-            states. See ``docs/design.md`` ("Which tensors are captured lazily").
-        eager: key patterns (``fnmatch``, e.g. ``"model/ema.*"``) of tensors always copied
-            at ``snapshot()``, whatever their size: large tensors changed outside the
-            optimizer step.
-        lazy: key patterns of tensors never copied at ``snapshot()`` (only ``eager`` wins
-            over it): small tensors you know nothing changes before the guard.
-        verify_sources: after the last shard of a snapshot is captured, checksum every
-            source tensor again and fail the snapshot with ImmutabilityViolationError if
-            one changed without its version counter moving (a write through ``.data`` or
-            a numpy view). Costs one more read of every captured byte before the guard
-            lets go; needs ``guard(mode="cpu")``. See ``docs/guarantees.md``.
-        exit_timeout: a Checkpointer never closed (the trainer raised) is closed at
-            interpreter exit: its pending snapshots get this many seconds to drain
-            (default 10), then are abandoned with one warning.
-        preemption_signals: signals announcing a preemption (e.g. ``(signal.SIGTERM,)``;
-            SIGUSR1 and the like, as schedulers send them). On one of them the handler
-            installed at ``open()`` (main thread only) stops taking snapshots (later
-            ``snapshot()`` calls return a skipped handle, with a
-            :class:`SnapshotSkippedWarning`), drains for at most ``preemption_grace``
-            seconds, logs which step is durable on which tier, and then lets the signal
-            take its usual course: the handler installed before it runs, or the default
-            action (SIGTERM ends the process). Closing restores the previous handler.
-            Default: none. See ``docs/guarantees.md`` ("Preemption").
-        preemption_grace: seconds the preemption handler drains at most (default 25: most
-            schedulers kill 30 s after the notice).
-        incremental: write to a tier only the shards whose bytes differ from its newest
-            committed snapshot (frozen weights, adapters, sparse updates); each step's
-            manifest refers to the stored copy of the others, and stays restorable on its
-            own. ``True``: every shard is still captured, and compared by its crc32c and a
-            128-bit SHA-256 digest. ``"versions"``: in addition, a shard whose tensors all
-            have the version counter and storage of its last capture (and do not require
-            grad) is not captured at all; a write that bypasses the version counter (through
-            ``.data``, a numpy view, a custom kernel) is then missed. Needs tiers that
-            support it (``FileTier``, ``ZarrTier``); others get every shard. Default
-            ``False``. See ``docs/guarantees.md`` ("Incremental snapshots").
-        distributed: coordinate commits with the other ranks over torch.distributed
-            (``None``: when it is initialized with more than one rank). Then every rank
-            must open the Checkpointer, snapshot the same steps in the same order, and
-            call ``steps()``/``restore()`` together; see ``docs/distributed.md``.
+        **options: the keyword arguments of :class:`CheckpointerOptions`, each documented
+            there (``shard_size``, ``deadline``, ``when_busy``, ``on_failure``, ...). An
+            unknown name or a bad value raises :class:`ConfigurationError` naming it.
     """
 
     def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
@@ -1045,7 +889,13 @@ class Checkpointer:
 
     @property
     def tiers(self) -> list[Tier]:
+        """The chain of tiers, fastest first."""
         return list(self._core.engine.tiers)
+
+    @property
+    def options(self) -> CheckpointerOptions:
+        """The options this Checkpointer was built with."""
+        return self._core.options
 
     async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return await asyncio.wrap_future(self._core.engine.loop.submit(coro))
@@ -1057,6 +907,7 @@ class Checkpointer:
                 return self
         self._core.preemption.install()  # first: it refuses outside the main thread
         try:
+            self._core.engine.loop.start()
             await self._call(self._core.open_on_engine())
         except BaseException:
             self._core.preemption.uninstall()
@@ -1210,6 +1061,7 @@ class Checkpointer:
             return
         self._core._closing = True
         try:
+            self._core.engine.loop.start()  # never opened: the tiers are closed all the same
             # shielded: a cancelled caller must not cut the drain short and tear a commit
             await asyncio.shield(self._call(self._core.close_on_engine()))
         finally:
@@ -1229,7 +1081,13 @@ class SyncCheckpointer:
 
     @property
     def tiers(self) -> list[Tier]:
+        """The chain of tiers, fastest first."""
         return list(self._core.engine.tiers)
+
+    @property
+    def options(self) -> CheckpointerOptions:
+        """The options this Checkpointer was built with."""
+        return self._core.options
 
     def _call(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
         if self._core.engine.loop.in_loop_thread():
@@ -1241,6 +1099,7 @@ class SyncCheckpointer:
         if not self._core.engine.opened:
             self._core.preemption.install()  # first: it refuses outside the main thread
             try:
+                self._core.engine.loop.start()
                 self._call(self._core.open_on_engine)
             except BaseException:
                 self._core.preemption.uninstall()
@@ -1310,6 +1169,7 @@ class SyncCheckpointer:
             return
         self._core._closing = True
         try:
+            self._core.engine.loop.start()  # never opened: the tiers are closed all the same
             self._call(self._core.close_on_engine)
         finally:
             self._core.finish_close()

@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Literal, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import crc32c
 import torch
@@ -56,51 +56,15 @@ from ._errors import (
 )
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
+from ._options import CheckpointerOptions
 from ._state import Event, ShardState, StateTable, advance, build_table
-from ._tier import SupportsGlobalCommit, SupportsReferences, SupportsStaging, Tier
+from ._tier import SupportsGlobalCommit, SupportsReferences, SupportsStaging, Tier, backend_errors
 from ._tree import TensorRef
 
-__all__ = ["Engine", "EngineOptions", "Flight", "SnapshotStats"]
+__all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 
 log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Tunables of the engine (the Checkpointer's keyword arguments)."""
-
-    layout: LayoutOptions = field(default_factory=LayoutOptions)
-    allow_pickle: bool = False
-    capture_threads: int = 2
-    checksum_threads: int | None = None
-    io_concurrency: int = 4
-    deadline: float | None = 300.0
-    retries: int = 3
-    retry_backoff: float = 0.05
-    when_busy: Literal["wait", "skip"] = "wait"
-    staging_bytes: int = 256 << 20
-    use_uvloop: bool | None = None
-    distributed: bool | None = None
-    incremental: bool | Literal["versions"] = False
-
-    def __post_init__(self) -> None:
-        if self.incremental not in (False, True, "versions"):
-            raise ConfigurationError(
-                f"incremental must be False, True or 'versions', got {self.incremental!r}"
-            )
-        if self.capture_threads < 1 or self.io_concurrency < 1:
-            raise ConfigurationError("capture_threads and io_concurrency must be at least 1")
-        if self.checksum_threads is not None and self.checksum_threads < 1:
-            raise ConfigurationError(
-                f"checksum_threads must be at least 1 (or None), got {self.checksum_threads}"
-            )
-        if self.retries < 0 or self.retry_backoff < 0:
-            raise ConfigurationError("retries and retry_backoff must not be negative")
-        if self.deadline is not None and not self.deadline > 0:
-            raise ConfigurationError(f"deadline must be positive seconds, got {self.deadline}")
-        if self.when_busy not in ("wait", "skip"):
-            raise ConfigurationError(f"when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
 
 
 @dataclass
@@ -174,7 +138,7 @@ class Flight:
 class Engine:
     """See the module docstring. Built by the Checkpointer; not public."""
 
-    def __init__(self, tiers: Sequence[Tier], options: EngineOptions) -> None:
+    def __init__(self, tiers: Sequence[Tier], options: CheckpointerOptions) -> None:
         tiers = list(tiers)
         if not tiers:
             raise ConfigurationError("a Checkpointer needs at least one tier")
@@ -208,12 +172,14 @@ class Engine:
             self.arena: HostArena = self.staging.arena
         else:
             self.arena = HostArena(options.staging_bytes)
-        if self.arena.capacity < options.layout.shard_size:
+        # the shard layout: the defaults of shard_size and pack_bytes depend on the arena
+        self.layout: LayoutOptions = options.layout(self.arena.capacity)
+        if self.arena.capacity < self.layout.shard_size:
             raise ConfigurationError(
                 f"the host arena ({self.arena.capacity} bytes) is smaller than one shard "
-                f"({options.layout.shard_size} bytes); raise capacity_bytes or lower shard_size"
+                f"({self.layout.shard_size} bytes); raise capacity_bytes or lower shard_size"
             )
-        self.loop = EngineLoop(use_uvloop=options.use_uvloop)
+        self.loop = EngineLoop(use_uvloop=options.use_uvloop)  # started by open()
         self.capture: CaptureBackend = _default_capture(options)
         self.checksums = ChecksumPool(options.checksum_threads)
         # incremental snapshots (see _reuse): digests are computed only where a tier can
@@ -267,12 +233,10 @@ class Engine:
             self.rank, self.world_size = context
             self._check_distributed()
             for t in self.tiers:
-                t.rank, t.world_size = self.rank, self.world_size
+                t.bind(self.rank, self.world_size)
             # a peer may legitimately spend a tier operation's every attempt between two
             # collectives (rank 0's commit_global on ZarrTier, say): wait that long for it
-            o = self.options
-            per_call = o.deadline or 300.0
-            timeout = per_call * (1 + o.retries) + o.retry_backoff * 2 ** (o.retries + 1)
+            timeout = self.options.retry_window()
             self.coordinator = await loop.run_in_executor(
                 None, Coordinator, self.rank, self.world_size, len(self.durable), timeout
             )
@@ -410,41 +374,8 @@ class Engine:
     async def _guarded(
         self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
     ) -> T:
-        """Run a tier operation under the deadline, retrying transient failures with
-        exponential back-off, and translating whatever is not yet a lazyckpt error."""
-        name = self.stage_names[stage]
-        attempts = 1 + (self.options.retries if retry else 0)
-        delay = self.options.retry_backoff
-        for attempt in range(1, attempts + 1):
-            try:
-                return await self._once(name, what, call)
-            except (TierBrokenError, DeadlineExceededError) as exc:
-                if attempt == attempts:
-                    raise
-                log.info(
-                    "%s on %s failed (attempt %d of %d), retrying in %.2fs: %s",
-                    what, name, attempt, attempts, delay, exc, extra={"tier": name},
-                )
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _once(self, name: str, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        try:
-            if self.options.deadline is None:
-                return await call()
-            async with asyncio.timeout(self.options.deadline):
-                return await call()
-        except TimeoutError as exc:
-            raise DeadlineExceededError(
-                f"tier {name!r}: {what} took longer than the {self.options.deadline}s deadline"
-            ) from exc
-        except LazyCkptError:
-            raise
-        except OSError as exc:
-            raise TierBrokenError(f"{what}: {exc}", tier=name) from exc
-        except Exception as exc:
-            raise TierBrokenError(f"{what}: unexpected {exc!r}", tier=name) from exc
+        """Run a tier operation of a stage through :func:`call_tier`, under the options."""
+        return await call_tier(self.stage_names[stage], what, call, self.options, retry=retry)
 
     def _fail(self, flight: Flight, stage: int, exc: Exception) -> None:
         if flight.failed_from is None or stage < flight.failed_from:
@@ -1191,8 +1122,86 @@ def _prints(shard: ShardMeta, refs: Sequence[TensorRef]) -> tuple[tuple[Any, ...
     return tuple(found)
 
 
-def _default_capture(options: EngineOptions) -> CaptureBackend:
+def _default_capture(options: CheckpointerOptions) -> CaptureBackend:
     if torch.cuda.is_available():
         return CudaCapture(cpu_threads=options.capture_threads)
     return CpuCapture(options.capture_threads)
 
+
+# -- one tier operation ----------------------------------------------------------------------
+
+
+class RetryPolicy(Protocol):
+    """How long one tier operation may take and how often it is retried (the options)."""
+
+    @property
+    def deadline(self) -> float | None: ...
+
+    @property
+    def retries(self) -> int: ...
+
+    @property
+    def retry_backoff(self) -> float: ...
+
+
+async def call_tier(
+    tier: str,
+    what: str,
+    call: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    *,
+    retry: bool = True,
+) -> T:
+    """Run one operation on a tier under the policy's deadline, retrying transient failures
+    (a broken backend, a missed deadline) with jittered exponential back-off, and
+    translating whatever is not yet a lazyckpt error. Every write the engine makes goes
+    through here; so do the command line's (``import``, ``copy``).
+
+    Args:
+        tier: the tier's name, for messages and logs.
+        what: the operation, for messages (``"put shard 3"``).
+        call: makes a fresh awaitable for each attempt.
+        policy: ``deadline`` (seconds per attempt, None for none), ``retries`` and
+            ``retry_backoff`` (the first back-off, doubled for each retry).
+        retry: False runs it once (an operation that must not be repeated).
+
+    Raises:
+        DeadlineExceededError: the last attempt took longer than the deadline.
+        TierError: the last attempt failed (an ``OSError`` or any other exception comes
+            as :class:`TierBrokenError`, with it as the cause).
+    """
+    attempts = 1 + (policy.retries if retry else 0)
+    delay = policy.retry_backoff
+    for attempt in range(1, attempts + 1):
+        try:
+            return await _call_once(tier, what, call, policy.deadline)
+        except (TierBrokenError, DeadlineExceededError) as exc:
+            if attempt == attempts:
+                raise
+            log.info(
+                "%s on %s failed (attempt %d of %d), retrying in %.2fs: %s",
+                what, tier, attempt, attempts, delay, exc, extra={"tier": tier},
+            )
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _call_once(
+    tier: str, what: str, call: Callable[[], Awaitable[T]], deadline: float | None
+) -> T:
+    async def mapped() -> T:
+        # a tier maps its backend's errors at its own boundary; this covers a tier that lets
+        # one through, with the same one mapping (out of space stays TierFullError)
+        with backend_errors(tier, what):
+            return await call()
+
+    try:
+        if deadline is None:
+            return await mapped()
+        async with asyncio.timeout(deadline):
+            return await mapped()
+    except TimeoutError as exc:
+        raise DeadlineExceededError(
+            f"tier {tier!r}: {what} took longer than the {deadline}s deadline"
+        ) from exc
