@@ -625,6 +625,13 @@ class Engine:
             or had.crc32c != flight.crcs[i]
             or had.offset != shard.offset
             or had.length != shard.length
+            or had.segments != shard.segments
+        ):
+            return False
+        # the same tensors there too (the usual case shares one planned tuple): so a tier
+        # that stores tensors by key (Zarr) finds this shard under the same names in the base
+        if base.tensors is not flight.manifest.tensors and any(
+            base.tensors[g.tensor] != flight.manifest.tensors[g.tensor] for g in shard.segments
         ):
             return False
         flight.stored_in[stage][i] = base.step if had.stored_in is None else had.stored_in

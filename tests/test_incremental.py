@@ -323,3 +323,49 @@ async def test_deleting_the_referrers_frees_the_data(tmp_path: Path) -> None:
         assert (tmp_path / "step-000000000000").exists()  # step 2 still refers to it
         await ckpt.delete(2)
         assert not step_dirs(tmp_path)
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_cli_verify_export_copy_and_gc_follow_references(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import safetensors.torch
+
+    from lazyckpt.cli import EXIT_OK, main
+
+    def cli(*argv: str | Path) -> tuple[int, str]:
+        code = main([str(a) for a in argv])
+        return code, capsys.readouterr().out
+
+    root = tmp_path / "run"
+    expected, _ = asyncio.run(run(root, range(4), True, FineTune()))
+    assert cli("verify", root, "--all")[0] == EXIT_OK
+    out = tmp_path / "step3.safetensors"
+    assert cli("export", root, "--step", "3", "--to", out)[0] == EXIT_OK
+    loaded = safetensors.torch.load_file(out)
+    assert torch.equal(loaded["base/layer0"], expected[3]["base"]["layer0"])
+    assert torch.equal(loaded["adapter/a"], expected[3]["adapter"]["a"])
+    # a copy is whole at the destination, whichever steps it refers to at the source
+    copy = tmp_path / "copy"
+    assert cli("copy", root, copy, "--step", "3", "-q")[0] == EXIT_OK
+    assert step_dirs(copy) == ["step-000000000003"]
+
+    async def check_copy() -> None:
+        tier = FileTier(copy, readonly=True)
+        async with lazyckpt.Checkpointer([tier]) as ckpt:
+            assert (await tier.read_manifest(3)).references() == frozenset()
+            assert equal(await ckpt.restore(step=3), expected[3])
+
+    asyncio.run(check_copy())
+    # gc retires step 0 (steps 2 and 3 read the base from it), and frees it once they go
+    code, printed = cli("gc", root, "--keep-last", "2")
+    assert code == EXIT_OK and "deleted step 0" in printed
+    assert (root / "step-000000000000" / "retired").exists()
+    assert cli("verify", root, "--all")[0] == EXIT_OK
+    code, printed = cli("gc", root, "--keep-last", "1")
+    assert code == EXIT_OK and "deleted step 2" in printed
+    assert (root / "step-000000000000").exists()  # step 3 still refers to it

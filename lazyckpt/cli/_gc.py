@@ -6,7 +6,7 @@ import argparse
 from functools import partial
 
 from .._engine import call_tier
-from .._tier import Retention
+from .._tier import Retention, SupportsReferences
 from ._console import Console
 from ._location import opened
 from ._status import EXIT_OK
@@ -33,6 +33,14 @@ async def gc_command(args: argparse.Namespace, ui: Console) -> int:
                     )
                     ui.out(f"deleted step {step}")
                     bar.advance(1)
+            if isinstance(loc.tier, SupportsReferences):
+                # data of deleted incremental steps that kept steps referred to stays
+                # (retired) until nothing refers to it: remove what nothing needs now
+                freed = await call_tier(
+                    loc.tier.name, "collect", loc.tier.collect, DEFAULT_POLICY
+                )
+                if freed:
+                    ui.out(f"removed the data of retired steps {', '.join(map(str, freed))}")
     kept = len(steps) - len(doomed)
     verb = "would keep" if args.dry_run else "kept"
     ui.note(f"{verb} {kept} of {len(steps)} snapshots in {args.location}")
