@@ -103,6 +103,7 @@ class Flight:
         # capture, and its tensors (see _Captured)
         self.prints: list[tuple[Any, ...] | None] = []
         self.holds: list[tuple[torch.Tensor, ...]] = []
+        self.hashing: list[bool] = []  # per shard: compute its digest (see _fingerprint)
         self.committed_as: list[Manifest | None] = [None] * len(tier_names)
         self.blocks: list[Block | None] = [None] * n
         self.captured_count = 0
@@ -397,6 +398,7 @@ class Engine:
     async def _run_flight(self, flight: Flight) -> None:
         if self.digesting:
             self._choose_bases(flight)
+            self._fingerprint(flight)
             if self.incremental == "versions":
                 self._plan_uncaptured(flight)
         m = flight.manifest
@@ -497,13 +499,13 @@ class Engine:
             flight.captured_count += 1
             if flight.captured_count == len(m.shards):
                 self._on_all_captured(flight)
-            sums = await self._checksum(flight, block)
+            sums = await self._checksum(flight, block, flight.hashing[i] if flight.hashing else False)
             if sums is None:
                 flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
                 return
             crc, flight.digests[i] = sums
             flight.crcs[i] = crc
-            if self.incremental == "versions":
+            if self.digesting:
                 self._record_capture(flight, i)
             flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
             hooks.point("checksum.done")
@@ -563,14 +565,16 @@ class Engine:
             if adopted is None:  # nobody keeps staging blocks once the shard is through
                 self.arena.discard(block)
 
-    async def _checksum(self, flight: Flight, block: Block) -> tuple[int, str | None] | None:
-        """The crc32c of a captured shard's block (and its digest, for incremental
-        snapshots); None once the snapshot failed (on this checksum or any other shard's
+    async def _checksum(
+        self, flight: Flight, block: Block, digest: bool
+    ) -> tuple[int, str | None] | None:
+        """The crc32c of a captured shard's block (and, with ``digest``, its content
+        digest); None once the snapshot failed (on this checksum or any other shard's
         capture or checksum): no tier takes its shards then."""
         if self._failed_at(flight, 0):
             return None
         try:
-            sums = await self.checksums.checksums(block, self.digesting)
+            sums = await self.checksums.checksums(block, digest)
         except Exception as exc:
             self._fail(flight, 0, exc)
             return None
@@ -663,16 +667,39 @@ class Engine:
             keep = self._in_use(stage)
             await self._guarded(stage, "collect unreferenced data", partial(tier.collect, keep))
 
+    def _fingerprint(self, flight: Flight) -> None:
+        """What each shard's tensors look like now (storage, view, version counter), and
+        which shards to digest: all but those whose tensors' version counters moved since
+        their last capture. A moved counter means a write happened, so the shard is written
+        without comparing (a digest would almost never match); a counter that did not move
+        proves nothing (a write through ``.data`` does not move it), so those shards, and
+        those never captured before, are digested and compared byte for byte. A full
+        fine-tune thus costs no hashing after its first snapshot."""
+        m = flight.manifest
+        flight.prints = [_prints(shard, flight.refs) for shard in m.shards]
+        if self.incremental == "versions":
+            flight.holds = [
+                tuple(flight.refs[g.tensor].tensor for g in shard.segments) for shard in m.shards
+            ]
+        hashing = []
+        for i, shard in enumerate(m.shards):
+            last = self._last_captures.get(i)
+            moved = (
+                last is not None
+                and flight.prints[i] is not None
+                and last.offset == shard.offset
+                and last.length == shard.length
+                and last.prints != flight.prints[i]
+            )
+            hashing.append(not moved)
+        flight.hashing = hashing
+
     def _plan_uncaptured(self, flight: Flight) -> None:
         """``incremental="versions"``: the shards not to capture at all, because every
         tensor in them has the version counter and storage it had at the shard's last
         capture, and every durable tier's base holds that capture's bytes (see
         docs/guarantees.md for when a version counter misses a write)."""
         m = flight.manifest
-        flight.prints = [_prints(shard, flight.refs) for shard in m.shards]
-        flight.holds = [
-            tuple(flight.refs[g.tensor].tensor for g in shard.segments) for shard in m.shards
-        ]
         if self.host_last or not self.durable or any(b is None for b in flight.bases[1:]):
             return
         for i, shard in enumerate(m.shards):
@@ -703,7 +730,7 @@ class Engine:
             return
         self._last_captures[i] = _Captured(
             shard.offset, shard.length, prints, flight.crcs[i], flight.digests[i],
-            flight.holds[i],
+            flight.holds[i] if flight.holds else (),
         )
 
     async def _uncaptured_flow(self, flight: Flight, i: int) -> None:
