@@ -321,6 +321,7 @@ def copy_eager(refs: Sequence[TensorRef], chosen: Sequence[int]) -> int:
         else:
             ref.tensor = ref.tensor.detach().clone()
             copied += ref.tensor.numel() * ref.tensor.element_size()
+        ref.copied = True
         try:
             ref.version = ref.tensor._version
         except (RuntimeError, AttributeError):  # a copy made in inference mode has none

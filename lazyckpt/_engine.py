@@ -574,7 +574,10 @@ class Engine:
         if self._failed_at(flight, 0):
             return None
         try:
-            sums = await self.checksums.checksums(block, digest)
+            if digest:
+                sums = await self.checksums.checksums(block, digest)
+            else:
+                sums = (await self.checksums.checksum(block), None)
         except Exception as exc:
             self._fail(flight, 0, exc)
             return None
@@ -1136,9 +1139,11 @@ class _Captured:
 def _print(ref: TensorRef) -> tuple[Any, ...] | None:
     """What must be unchanged for a tensor's bytes to be taken as unchanged: its storage,
     view and version counter as ``snapshot()`` recorded it; None if that is unknown (no
-    recorded version: an eager copy) or the tensor is trainable (``requires_grad``)."""
+    recorded version), the tensor is a copy taken at ``snapshot()`` (the eager policy: a
+    new tensor every time, whose counter says nothing about the state's own), or it is
+    trainable (``requires_grad``)."""
     t = ref.tensor
-    if ref.version is None or t.requires_grad:
+    if ref.version is None or ref.copied or t.requires_grad:
         return None
     return (
         ref.key, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
