@@ -97,6 +97,7 @@ class Flight:
         # which shards were not captured at all (unchanged since the last capture)
         self.digests: list[str | None] = [None] * n
         self.bases: list[Manifest | None] = [None] * len(tier_names)
+        self.pinned: list[tuple[int, Manifest]] = []  # (stage, base): every base it used
         self.stored_in: list[dict[int, int]] = [{} for _ in tier_names]
         self.uncaptured: set[int] = set()
         # incremental="versions": per shard, what must stay unchanged to skip its next
@@ -598,30 +599,43 @@ class Engine:
         """Pin, per durable tier, the committed manifest this flight is compared with."""
         m = flight.manifest
         flight.manifest = replace(m, extra={**m.extra, "incremental": True})
-        for k, tier in enumerate(self.durable, 1):
-            base = self.bases[k - 1]
-            if (
-                base is None
-                or not isinstance(tier, SupportsReferences)
-                or base.step == m.step
-                or base.rank != m.rank
-                or base.step in self._removing[k - 1]
-            ):
-                continue
-            flight.bases[k] = base
-            self.pins[k - 1][base.step] = self.pins[k - 1].get(base.step, 0) + 1
+        for k in range(1, len(self.stage_names)):
+            self._take_base(flight, k)
+
+    def _take_base(self, flight: Flight, stage: int) -> None:
+        """Compare the flight with the newest step committed on the tier, if that is newer
+        than its base so far (a flight started before its predecessor committed takes the
+        predecessor once it has). Every base a flight took stays pinned until it is done:
+        shards it already referred to may name steps only that base keeps alive."""
+        base = self.bases[stage - 1]
+        current = flight.bases[stage]
+        m = flight.manifest
+        if (
+            base is None
+            or (current is not None and base.step <= current.step)
+            or not isinstance(self.durable[stage - 1], SupportsReferences)
+            or base.step == m.step
+            or base.rank != m.rank
+            or base.step in self._removing[stage - 1]
+        ):
+            return
+        flight.bases[stage] = base
+        flight.pinned.append((stage, base))
+        self.pins[stage - 1][base.step] = self.pins[stage - 1].get(base.step, 0) + 1
 
     def _unpin(self, flight: Flight) -> None:
-        for k, base in enumerate(flight.bases):
-            if base is not None:
-                pins = self.pins[k - 1]
-                pins[base.step] -= 1
-                if not pins[base.step]:
-                    del pins[base.step]
+        for stage, base in flight.pinned:
+            pins = self.pins[stage - 1]
+            pins[base.step] -= 1
+            if not pins[base.step]:
+                del pins[base.step]
+        flight.pinned = []
         flight.bases = [None] * len(flight.bases)
 
     def _reuse(self, flight: Flight, stage: int, i: int) -> bool:
         """Whether shard ``i`` is on the tier already (then the flight refers to it)."""
+        if i not in flight.uncaptured:  # a skipped shard keeps the base it was planned with
+            self._take_base(flight, stage)
         base = flight.bases[stage]
         digest = flight.digests[i]
         if base is None or digest is None or i >= len(base.shards):
@@ -659,10 +673,10 @@ class Engine:
         """The steps whose stored data flights in flight may refer to on a durable tier."""
         keep: set[int] = set()
         for flight in self.flights.values():
-            base = flight.bases[stage]
-            if base is not None:
-                keep.add(base.step)
-                keep |= base.references()
+            for pinned_at, base in flight.pinned:
+                if pinned_at == stage:
+                    keep.add(base.step)
+                    keep |= base.references()
         return keep
 
     async def _collect(self, tier: Tier, stage: int) -> None:
@@ -976,8 +990,7 @@ class Engine:
         removing.add(step)
         try:
             for flight in list(self.flights.values()):
-                base = flight.bases[stage]
-                if base is not None and base.step == step:
+                if any(s == stage and b.step == step for s, b in flight.pinned):
                     await flight.done.wait()
             await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
         finally:
