@@ -30,7 +30,7 @@ def test_custom_tier_example() -> None:
 
 def test_lora_incremental_example() -> None:
     for mode in ("true", "versions"):
-        out = run(str(EXAMPLES / "lora_incremental.py"), "--mode", mode, "--width", "512", "--steps", "8")
+        out = run(str(EXAMPLES / "lora_incremental.py"), "--mode", mode, "--layers", "2", "--steps", "8")
         assert "every kept step restored bit for bit (5 steps)" in out
         assert "retired: ['step-000000000000']" in out
 
