@@ -38,7 +38,7 @@ import torch
 
 from ._arena import Block
 from ._errors import ConfigurationError, ImmutabilityViolationError
-from ._manifest import Manifest, ShardMeta
+from ._manifest import Manifest, Segment, ShardMeta
 from ._options import CheckpointerOptions, compile_patterns
 from ._tree import TensorRef
 
@@ -75,16 +75,10 @@ class CaptureBackend(Protocol):
     def close(self) -> None: ...
 
 
-def source_view(job: CaptureJob, tensor_index: int, start: int, stop: int) -> torch.Tensor:
+def source_view(job: CaptureJob, seg: Segment) -> torch.Tensor:
     """The part of a source tensor that a segment covers (a view; no copy except for the
     rare non-contiguous tensor split flat)."""
-    meta = job.manifest.tensors[tensor_index]
-    src = job.refs[tensor_index].tensor.detach()
-    if meta.mode == "rows":
-        return src[start:stop]
-    if meta.mode == "flat":
-        return src.reshape(-1)[start:stop]
-    return src
+    return job.manifest.tensor_part(seg, job.refs[seg.tensor].tensor.detach())
 
 
 def check_versions(job: CaptureJob) -> None:
@@ -102,18 +96,10 @@ def copy_into_block(job: CaptureJob) -> None:
     """Copy every segment of the shard into its block and zero the bytes between them, then
     check the version counters. Blocking."""
     dest = job.block.tensor()
-    cursor = 0
+    for lo, hi in job.manifest.segment_gaps(job.shard):  # so that every byte is defined
+        dest[lo:hi].zero_()
     for seg in job.shard.segments:
-        if seg.offset > cursor:  # alignment gap in a pack: zero it so the bytes are defined
-            dest[cursor : seg.offset].zero_()
-        meta = job.manifest.tensors[seg.tensor]
-        shape = job.manifest.segment_shape(seg)
-        nbytes = job.manifest.segment_nbytes(seg)
-        src = source_view(job, seg.tensor, seg.start, seg.stop)
-        dest[seg.offset : seg.offset + nbytes].view(meta.torch_dtype).view(shape).copy_(src)
-        cursor = seg.offset + nbytes
-    if cursor < job.shard.length:
-        dest[cursor : job.shard.length].zero_()
+        job.manifest.shard_part(seg, dest).copy_(source_view(job, seg))
     check_versions(job)
 
 
@@ -192,6 +178,13 @@ class ChecksumPool:
         (incremental snapshots), in one pass of the pool. Cancelling it as :meth:`checksum`."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, block_checksums, block, digest)
+
+    async def checksum_bytes(self, data: memoryview) -> int:
+        """The crc32c of ``data`` (a shard read back from a tier, for a restore or a
+        re-fetch): the ``Checksum`` the readers of ``_fetch`` take. Cancelling it leaves
+        the thread to finish reading; it writes nothing."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, crc32c.crc32c, data)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -411,6 +404,6 @@ def _segment_crcs(job: CaptureJob) -> list[int]:
 def _first_changed(seen: Sequence[tuple[CaptureJob, int, int]]) -> str | None:
     for job, k, crc in seen:
         seg = job.shard.segments[k]
-        if _crc_of(source_view(job, seg.tensor, seg.start, seg.stop)) != crc:
+        if _crc_of(source_view(job, seg)) != crc:
             return job.refs[seg.tensor].key
     return None

@@ -28,15 +28,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-import crc32c
 import torch
 
 from . import hooks
@@ -47,94 +45,25 @@ from ._distributed import Coordinator, distributed_context
 from ._errors import (
     CheckpointerClosedError,
     ConfigurationError,
-    CorruptionError,
-    DeadlineExceededError,
     LazyCkptError,
     SnapshotFailedError,
     TierBrokenError,
     TierFullError,
 )
+from ._fetch import read_copy
+from ._flight import Flight, SnapshotStats
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._options import CheckpointerOptions
-from ._state import Event, ShardState, StateTable, advance, build_table
-from ._tier import SupportsGlobalCommit, SupportsReferences, SupportsStaging, Tier, backend_errors
+from ._state import Event, StateTable, advance, build_table
+from ._tier import SupportsGlobalCommit, SupportsReferences, SupportsStaging, Tier
+from ._tiercall import RetryPolicy, call_tier
 from ._tree import TensorRef
 
 __all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 
 log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
-
-
-@dataclass
-class SnapshotStats:
-    """Where the time of one snapshot went (seconds)."""
-
-    step: int
-    bytes: int
-    shards: int
-    snapshot_s: float = 0.0
-    guard_s: float = 0.0
-    capture_s: float | None = None
-    reached_s: dict[str, float] = field(default_factory=dict)
-
-
-class Flight:
-    """A snapshot on its way through the tiers."""
-
-    def __init__(
-        self, manifest: Manifest, refs: Sequence[TensorRef], tier_names: Sequence[str]
-    ) -> None:
-        self.manifest = manifest
-        self.refs = refs
-        n = len(manifest.shards)
-        self.states = [ShardState.CAPTURED] * n
-        self.crcs: list[int] = [0] * n
-        # incremental snapshots: each shard's content digest; per stage, the committed
-        # manifest its shards are compared with (the base, pinned while this flight runs),
-        # the shards it refers to instead of writing (index -> the step holding them), and
-        # which shards were not captured at all (unchanged since the last capture)
-        self.digests: list[str | None] = [None] * n
-        self.bases: list[Manifest | None] = [None] * len(tier_names)
-        self.pinned: list[tuple[int, Manifest]] = []  # (stage, base): every base it used
-        self.stored_in: list[dict[int, int]] = [{} for _ in tier_names]
-        self.uncaptured: set[int] = set()
-        # incremental="versions": per shard, what must stay unchanged to skip its next
-        # capture, and its tensors (see _Captured)
-        self.prints: list[tuple[Any, ...] | None] = []
-        self.holds: list[tuple[torch.Tensor, ...]] = []
-        self.hashing: list[bool] = []  # per shard: compute its digest (see _fingerprint)
-        self.committed_as: list[Manifest | None] = [None] * len(tier_names)
-        self.blocks: list[Block | None] = [None] * n
-        self.captured_count = 0
-        self.checksummed_count = 0
-        self.persisted = [0] * len(tier_names)
-        self.failed_from: int | None = None  # first stage index that failed (0 = capture)
-        self.errors: list[Exception] = []
-        self.t_submit = time.perf_counter()
-        self.stats = SnapshotStats(step=manifest.step, bytes=manifest.tensor_bytes, shards=n)
-        # per durable tier: its begin(), running beside the capture; True once it succeeded
-        self.begun: list[asyncio.Task[bool]] = []
-        # a host-only chain: the blocks this snapshot keeps, held until it commits or fails,
-        # and whether it is finished (its blocks are given back in step order)
-        self.kept: list[Block] = []
-        self.finished = False
-        self.captured: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.reached: dict[str, concurrent.futures.Future[None]] = {
-            name: concurrent.futures.Future() for name in tier_names
-        }
-        self.done = asyncio.Event()
-        self.reported = False
-        self.recorded = False
-        # distributed mode: this rank's outcome per stage, then the ranks' agreement
-        self.local_ok = [False] * len(tier_names)
-        self.settled = asyncio.Event()
-        self.coordinated = [asyncio.Event() for _ in tier_names]
-
-    @property
-    def step(self) -> int:
-        return self.manifest.step
 
 
 class Engine:
@@ -778,22 +707,24 @@ class Engine:
         self.arena.release(block)
 
     async def _refetch(self, flight: Flight, shard: ShardMeta, stage: int) -> Block:
+        """Read an evicted shard back from the tier of ``stage`` into a new block, verified
+        (``_fetch``), under that tier's deadline and retries."""
         tier = self.durable[stage - 1]
         block = await self.arena.allocate(shard.length)
+
+        async def read(source: Tier, out: memoryview) -> None:
+            what = f"read shard {shard.index}"
+            await self._guarded(stage, what, partial(source.read_shard, flight.manifest, shard, out))
+
         try:
-            out = block.memoryview()
-            await self._guarded(
-                stage,
-                f"read shard {shard.index}",
-                partial(tier.read_shard, flight.manifest, shard, out),
+            await read_copy(
+                flight.manifest,
+                shard,
+                tier,
+                block.memoryview(),
+                checksum=self.checksums.checksum_bytes,
+                read=read,
             )
-            loop = asyncio.get_running_loop()
-            crc = await loop.run_in_executor(None, crc32c.crc32c, block.memoryview())
-            if crc != shard.crc32c:
-                raise CorruptionError(
-                    f"shard {shard.index} of step {flight.step} read back from tier "
-                    f"{tier.name!r} does not match its checksum"
-                )
         except BaseException:
             self.arena.release(block)
             raise
@@ -1179,81 +1110,3 @@ def _default_capture(options: CheckpointerOptions) -> CaptureBackend:
         return CudaCapture(cpu_threads=options.capture_threads)
     return CpuCapture(options.capture_threads)
 
-
-# -- one tier operation ----------------------------------------------------------------------
-
-
-class RetryPolicy(Protocol):
-    """How long one tier operation may take and how often it is retried (the options)."""
-
-    @property
-    def deadline(self) -> float | None: ...
-
-    @property
-    def retries(self) -> int: ...
-
-    @property
-    def retry_backoff(self) -> float: ...
-
-
-async def call_tier(
-    tier: str,
-    what: str,
-    call: Callable[[], Awaitable[T]],
-    policy: RetryPolicy,
-    *,
-    retry: bool = True,
-) -> T:
-    """Run one operation on a tier under the policy's deadline, retrying transient failures
-    (a broken backend, a missed deadline) with jittered exponential back-off, and
-    translating whatever is not yet a lazyckpt error. Every write the engine makes goes
-    through here; so do the command line's (``import``, ``copy``).
-
-    Args:
-        tier: the tier's name, for messages and logs.
-        what: the operation, for messages (``"put shard 3"``).
-        call: makes a fresh awaitable for each attempt.
-        policy: ``deadline`` (seconds per attempt, None for none), ``retries`` and
-            ``retry_backoff`` (the first back-off, doubled for each retry).
-        retry: False runs it once (an operation that must not be repeated).
-
-    Raises:
-        DeadlineExceededError: the last attempt took longer than the deadline.
-        TierError: the last attempt failed (an ``OSError`` or any other exception comes
-            as :class:`TierBrokenError`, with it as the cause).
-    """
-    attempts = 1 + (policy.retries if retry else 0)
-    delay = policy.retry_backoff
-    for attempt in range(1, attempts + 1):
-        try:
-            return await _call_once(tier, what, call, policy.deadline)
-        except (TierBrokenError, DeadlineExceededError) as exc:
-            if attempt == attempts:
-                raise
-            log.info(
-                "%s on %s failed (attempt %d of %d), retrying in %.2fs: %s",
-                what, tier, attempt, attempts, delay, exc, extra={"tier": tier},
-            )
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay *= 2
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-async def _call_once(
-    tier: str, what: str, call: Callable[[], Awaitable[T]], deadline: float | None
-) -> T:
-    async def mapped() -> T:
-        # a tier maps its backend's errors at its own boundary; this covers a tier that lets
-        # one through, with the same one mapping (out of space stays TierFullError)
-        with backend_errors(tier, what):
-            return await call()
-
-    try:
-        if deadline is None:
-            return await mapped()
-        async with asyncio.timeout(deadline):
-            return await mapped()
-    except TimeoutError as exc:
-        raise DeadlineExceededError(
-            f"tier {tier!r}: {what} took longer than the {deadline}s deadline"
-        ) from exc

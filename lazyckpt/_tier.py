@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from ._errors import (
     ConfigurationError,
@@ -122,6 +122,12 @@ class Tier(abc.ABC):
 
     level: TierLevel = TierLevel.LOCAL
     default_name: str = "tier"
+    #: The URL schemes whose locations the ``lazyckpt`` command opens with this tier, given
+    #: the whole URL (``("s3",)``); ``"file"`` means local paths, given as the path.
+    url_schemes: ClassVar[tuple[str, ...]] = ()
+    #: A file at the root of a local directory that says the directory is in this tier's
+    #: format (``"zarr.json"``): the command opens such a directory with this tier.
+    location_marker: ClassVar[str | None] = None
 
     def __init__(
         self,

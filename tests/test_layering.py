@@ -50,8 +50,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc"),
     ("_dist", "_tree", "_manifest", "_options", "_state", "_arena", "_metrics", "_distributed"),
     ("_tier", "tier"),
-    ("_capture", "_cuda", "_restore", "_dtensor", "_engine", "_preemption"),
-    ("", "_checkpointer", "timeline"),
+    ("_fetch", "_tiercall", "_optimizers", "_flight", "_capture", "_cuda", "_restore", "_dtensor",
+     "_engine", "_preemption"),
+    ("", "_handle", "_core", "_checkpointer", "timeline"),
     (
         "cli",
         "cli._status",

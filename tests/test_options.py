@@ -68,7 +68,7 @@ def test_a_bad_value_names_the_option_and_what_it_accepts(
 
 
 def test_the_checkpointer_checks_through_the_options(tmp_path: Path) -> None:
-    with pytest.raises(ConfigurationError, match="^when_busy must be 'wait' or 'skip', got 'drop'"):
+    with pytest.raises(ConfigurationError, match=r"^when_busy must be 'wait' or 'skip', got 'drop'"):
         lazyckpt.Checkpointer([FileTier(tmp_path)], when_busy="drop")
     with pytest.raises(ConfigurationError, match=r"unknown Checkpointer options: \['shardsize'\]"):
         lazyckpt.SyncCheckpointer([FileTier(tmp_path)], shardsize=4096)

@@ -17,9 +17,11 @@ class Console:
     quiet: bool = False
 
     def out(self, text: str = "") -> None:
+        """Write a result line to stdout."""
         print(text, file=sys.stdout)
 
     def note(self, text: str) -> None:
+        """Write a message (a summary, a problem) to stderr."""
         print(text, file=sys.stderr)
 
     def progress(
@@ -31,10 +33,12 @@ class Console:
 
 
 def local_time(created: float) -> str:
+    """A Unix time as local ``YYYY-MM-DD HH:MM:SS``, for a table."""
     return datetime.fromtimestamp(created).astimezone().strftime("%Y-%m-%d %H:%M:%S")
 
 
 def iso_time(created: float) -> str:
+    """A Unix time as local ISO 8601 to the second, for JSON."""
     return datetime.fromtimestamp(created).astimezone().isoformat(timespec="seconds")
 
 

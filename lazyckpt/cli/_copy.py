@@ -12,14 +12,10 @@ from .._errors import CorruptionError
 from .._manifest import Manifest
 from .._progress import format_bytes
 from ._console import Console
-from ._location import (
-    Location,
-    opened,
-    pick_steps,
-)
+from ._location import Location, opened, pick_steps
 from ._read import ShardReader
 from ._status import EXIT_OK
-from ._write import put_all, writing
+from ._write import delete_step, put_all, writing
 
 
 async def _readback(loc: Location, m: Manifest, ui: Console, jobs: int) -> list[str]:
@@ -34,6 +30,7 @@ async def _readback(loc: Location, m: Manifest, ui: Console, jobs: int) -> list[
 
 
 async def copy_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt copy``: copy each step, checked as read, then read back (see ``--help``)."""
     async with opened(args.src) as src, opened(args.dst, create=True) as dst:
         if args.step:
             steps = [s for step in args.step for s in await pick_steps(src, step)]
@@ -57,7 +54,7 @@ async def copy_command(args: argparse.Namespace, ui: Console) -> int:
             if not args.no_readback:
                 problems = await _readback(dst, m, ui, args.jobs)
                 if problems:
-                    await dst.tier.delete(step)
+                    await delete_step(dst.tier, step)
                     raise CorruptionError(
                         f"{dst}: step {step} read back wrong, so it was removed again: "
                         + "; ".join(problems[:3])

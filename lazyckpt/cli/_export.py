@@ -394,6 +394,8 @@ def _fsync_replace(tmp: Path, final: Path) -> None:
 
 
 async def export_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt export``: write one step to a file, through a partial file replaced at the
+    end, so a failed export leaves no file behind."""
     fmt = format_of(args.to, args.format)
     final = Path(args.to)
     if not args.force and await asyncio.to_thread(final.exists):

@@ -92,6 +92,7 @@ class _TorchSource:
         self.pickled = has_tag(self.tree, "$pickle")
 
     def fill(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+        """Copy the shard's pieces of the mapped tensors into ``out`` (gaps zeroed)."""
         _zero_gaps(manifest, shard, out)
         dest = torch.frombuffer(out, dtype=torch.uint8)
         for seg in shard.segments:
@@ -177,6 +178,7 @@ class _SafetensorsSource:
         return tree, refs, [r.key for r in refs]
 
     def fill(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+        """Read the shard's pieces from the file into ``out`` with ``preadv`` (gaps zeroed)."""
         _zero_gaps(manifest, shard, out)
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -195,6 +197,7 @@ class _SafetensorsSource:
 
 
 async def import_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt import``: plan the file's state as a snapshot, write and commit it."""
     path = Path(args.file)
     if not await asyncio.to_thread(path.is_file):
         raise CommandError(f"{path}: no such file", EXIT_NOT_FOUND)

@@ -24,6 +24,7 @@ _MANIFEST_READS = 8
 
 
 async def ls_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt ls``: the committed steps of every location, merged by step."""
     async with contextlib.AsyncExitStack() as stack:
         locations = [await stack.enter_async_context(opened(spec)) for spec in args.locations]
         kinds = [loc.kind for loc in locations]
@@ -178,6 +179,7 @@ def _render_nodes(root: _Node, manifest: Manifest) -> list[list[str]]:
 
 
 async def inspect_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt inspect``: the tree of keys of one step, with tensor sizes and values."""
     async with opened(args.location) as loc:
         (step,) = await pick_steps(loc, args.step)
         m = await loc.tier.read_manifest(step)

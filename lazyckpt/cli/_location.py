@@ -177,6 +177,7 @@ def _takes_readonly(factory: Callable[..., Tier]) -> bool:
 async def opened(
     spec: str, *, create: bool = False, write: bool = False
 ) -> AsyncIterator[Location]:
+    """:func:`open_location` as a context: the tier is closed on the way out."""
     location = await open_location(spec, create=create, write=write)
     try:
         yield location

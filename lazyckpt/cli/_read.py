@@ -149,6 +149,7 @@ def shard_contents(manifest: Manifest, shard: ShardMeta) -> list[str]:
 
 
 def damage_keys(manifest: Manifest, shard: ShardMeta) -> list[str]:
+    """Every key whose bytes are in ``shard``, tied keys included: what damage to it hurts."""
     keys = {manifest.tensors[seg.tensor].key for seg in shard.segments}
     keys.update(
         t.key for t in manifest.tensors for seg in shard.segments if t.alias_of == seg.tensor
@@ -157,6 +158,7 @@ def damage_keys(manifest: Manifest, shard: ShardMeta) -> list[str]:
 
 
 def has_tag(tree: JSON, tag: str) -> bool:
+    """Whether a tagged-JSON tree holds a node tagged ``tag`` anywhere."""
     stack = [tree]
     while stack:
         node = stack.pop()

@@ -77,6 +77,12 @@ async def writing(
         raise
 
 
+async def delete_step(tier: Tier, step: int, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+    """Un-commit, then remove, a step (``gc``, a copy that read back wrong), as the engine's
+    retention deletes: under the deadline, with retries."""
+    await call_tier(tier.name, f"delete step {step}", partial(tier.delete, step), policy)
+
+
 async def put_all(
     write: SnapshotWrite,
     fill: Callable[[Manifest, ShardMeta, memoryview], None] | None,
