@@ -54,8 +54,9 @@ __all__ = [
 ]
 
 # The newest this lazyckpt reads: 2 added the distributed fields, 3 the value-tree tags of
-# trainer state (numpy arrays, generators, dataclasses).
-FORMAT_VERSION = 3
+# trainer state (numpy arrays, generators, dataclasses), 4 the shards an incremental
+# snapshot refers to in an earlier step's stored data (``stored_in``).
+FORMAT_VERSION = 4
 # How those tags open in a compact JSON encoding; a string a user stored that holds this text
 # is escaped (\") there, so it cannot be mistaken for one.
 _V3_TAGS = tuple(
@@ -67,6 +68,7 @@ PACK_ALIGN = 64
 
 Mode = Literal["pack", "rows", "flat", "alias", "empty", "replica"]
 _MODES = ("pack", "rows", "flat", "alias", "empty", "replica")
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
 _PLACEMENT = re.compile(r"^(replicate|shard\((\d{1,3})\))$")
 
 
@@ -180,6 +182,11 @@ class ShardMeta:
     kind: Literal["pack", "chunk"]
     segments: tuple[Segment, ...]
     crc32c: int | None = None
+    # incremental snapshots (docs/format.md): the 128-bit BLAKE2b digest of the shard's bytes
+    # (hex), and the earlier step whose stored data holds those bytes at the same offset
+    # (None: this step's own data)
+    digest: str | None = None
+    stored_in: int | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,33 @@ class Manifest:
             raise ValueError("one checksum per shard")
         shards = tuple(replace(s, crc32c=c) for s, c in zip(self.shards, crcs, strict=True))
         return replace(self, shards=shards)
+
+    def with_digests(self, digests: Sequence[str | None]) -> Manifest:
+        """The same manifest with every shard's 128-bit digest filled in (incremental)."""
+        if len(digests) != len(self.shards):
+            raise ValueError("one digest per shard")
+        shards = tuple(replace(s, digest=d) for s, d in zip(self.shards, digests, strict=True))
+        return replace(self, shards=shards)
+
+    def with_references(self, stored_in: dict[int, int]) -> Manifest:
+        """The same manifest with shard ``i``'s bytes found in step ``stored_in[i]``'s data."""
+        if not stored_in:
+            return self
+        shards = tuple(
+            replace(s, stored_in=stored_in[s.index]) if s.index in stored_in else s
+            for s in self.shards
+        )
+        return replace(self, shards=shards)
+
+    def references(self) -> frozenset[int]:
+        """The earlier steps whose stored data this step's shards are read from."""
+        return frozenset(s.stored_in for s in self.shards if s.stored_in is not None)
+
+    def self_contained(self) -> Manifest:
+        """The same manifest with no references (for writing every byte elsewhere)."""
+        if not self.references():
+            return self
+        return replace(self, shards=tuple(replace(s, stored_in=None) for s in self.shards))
 
     def segment_shape(self, seg: Segment) -> tuple[int, ...]:
         """The shape of the tensor piece a segment holds."""
@@ -250,6 +284,8 @@ class Manifest:
 
     def format_version(self) -> int:
         """The oldest format version that can express this manifest."""
+        if any(s.stored_in is not None for s in self.shards):
+            return 4  # an older reader would read the shard from this step's own data
         tree = json.dumps(self.tree, separators=(",", ":"), allow_nan=False)
         if any(tag in tree for tag in _V3_TAGS):
             return 3
@@ -272,17 +308,7 @@ class Manifest:
             "pickled": self.pickled,
             "extra": self.extra,
             "tensors": [_tensor_doc(t) for t in self.tensors],
-            "shards": [
-                {
-                    "index": s.index,
-                    "offset": s.offset,
-                    "length": s.length,
-                    "kind": s.kind,
-                    "crc32c": s.crc32c,
-                    "segments": [[g.tensor, g.offset, g.start, g.stop] for g in s.segments],
-                }
-                for s in self.shards
-            ],
+            "shards": [_shard_doc(s) for s in self.shards],
             "tree": self.tree,
         }
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False)
@@ -304,6 +330,23 @@ class Manifest:
             raise CorruptionError(f"{source}: {exc}") from exc
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise CorruptionError(f"{source} is damaged: {exc!r:.200}") from exc
+
+
+def _shard_doc(s: ShardMeta) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "index": s.index,
+        "offset": s.offset,
+        "length": s.length,
+        "kind": s.kind,
+        "crc32c": s.crc32c,
+        "segments": [[g.tensor, g.offset, g.start, g.stop] for g in s.segments],
+    }
+    # absent unless the snapshot is incremental: other manifests stay as they were
+    if s.digest is not None:
+        doc["digest"] = s.digest
+    if s.stored_in is not None:
+        doc["stored_in"] = s.stored_in
+    return doc
 
 
 def _tensor_doc(t: TensorMeta) -> dict[str, Any]:
@@ -399,6 +442,12 @@ def _decode_manifest(doc: Any, raw: bytes | None = None) -> Manifest:
             if tensor >= len(tensors) or stop < start:
                 raise CorruptionError(f"bad segment {g!r:.60}")
             segments.append(Segment(tensor, offset, start, stop))
+        digest = s.get("digest")
+        if digest is not None and (not isinstance(digest, str) or not _DIGEST.match(digest)):
+            raise CorruptionError(f"shard {i}: bad digest {digest!r:.40}")
+        stored_in = _int(s, "stored_in") if "stored_in" in s else None
+        if stored_in is not None and stored_in == doc["step"]:
+            raise CorruptionError(f"shard {i} refers to its own step")
         shard = ShardMeta(
             index=i,
             offset=_int(s, "offset"),
@@ -406,6 +455,8 @@ def _decode_manifest(doc: Any, raw: bytes | None = None) -> Manifest:
             kind=s["kind"],
             segments=tuple(segments),
             crc32c=crc,
+            digest=digest,
+            stored_in=stored_in,
         )
         if shard.offset + shard.length > stream:
             raise CorruptionError(f"shard {i} lies outside the stream")

@@ -127,6 +127,8 @@ class TensorRef:
     alias_of: int | None = None
     dist: DistInfo | None = None
     dtensor: torch.Tensor | None = None
+    # ``tensor`` is a copy taken at snapshot() (the eager policy), not the state's own
+    copied: bool = False
 
 
 # numpy arrays at most this big are stored in the manifest's JSON (np.random.get_state()'s
