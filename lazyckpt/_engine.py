@@ -56,6 +56,7 @@ from ._errors import (
 )
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
+from ._replica import join_peers
 from ._state import Event, ShardState, StateTable, advance, build_table
 from ._tier import SupportsGlobalCommit, SupportsStaging, Tier
 from ._tree import TensorRef
@@ -246,6 +247,8 @@ class Engine:
         await loop.run_in_executor(None, self.arena.allocate_memory)
         await asyncio.gather(*(t.open() for t in self.tiers))
         if self.coordinator is not None:
+            # tiers that keep replicas on other ranks meet their peers (_replica)
+            await join_peers(self.tiers, partial(self.coordinator.gather, 0))
             await self.coordinator.barrier()  # nobody writes before every rank cleaned up
         self._tier_sems = [asyncio.Semaphore(self.options.io_concurrency) for _ in self.durable]
         # retention: one pass at a time per tier; a pass not yet listing covers new commits

@@ -13,6 +13,9 @@ checked with ``isinstance``:
   restores, replicated tensors written once).
 - :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
   copying it out (restores into device tensors straight from pinned memory).
+- :class:`SupportsRendezvous`: the tier meets the same tier on the other ranks once, after
+  ``open()``, through an ``all_gather`` over lazyckpt's own process group (a tier keeping
+  replicas on peers: :func:`node_identity`, :func:`place_replicas`).
 
 Backend errors are translated once, at the tier's boundary, into the errors below
 (:func:`translate_os_error` for ``OSError``), with the original as ``__cause__``. A tier
@@ -36,6 +39,7 @@ from ._errors import (
     TierFullError,
 )
 from ._manifest import Manifest, Segment, ShardMeta, TensorMeta
+from ._replica import NODE_ENV, Exchange, SupportsRendezvous, node_identity, place_replicas
 from ._state import TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,
@@ -52,9 +56,11 @@ from ._tier import (
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "NODE_ENV",
     "Block",
     "ConfigurationError",
     "CorruptionError",
+    "Exchange",
     "ForeignLocationError",
     "HostArena",
     "LocationInUseError",
@@ -66,6 +72,7 @@ __all__ = [
     "SupportsBlockRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
+    "SupportsRendezvous",
     "SupportsStaging",
     "TensorMeta",
     "Tier",
@@ -76,5 +83,7 @@ __all__ = [
     "TierLevel",
     "available_tiers",
     "load_tier",
+    "node_identity",
+    "place_replicas",
     "translate_os_error",
 ]
