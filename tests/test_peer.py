@@ -184,6 +184,19 @@ async def test_a_rank_reads_back_what_its_peer_holds(pair: list[PeerTier], tmp_p
         await owner.read_manifest(5)
 
 
+async def test_a_shard_of_a_step_not_yet_committed_reads_back(pair: list[PeerTier]) -> None:
+    # what the engine does when the arena evicted a block before the next tier took it
+    owner, _ = pair
+    manifest, payloads = _snapshot(8, rank=0)
+    await owner.begin(manifest)
+    await owner.put_shard(manifest, manifest.shards[1], memoryview(payloads[1]))
+    out = bytearray(manifest.shards[1].length)
+    await owner.read_shard(manifest, manifest.shards[1], memoryview(out))
+    assert bytes(out) == payloads[1]
+    await owner.abort(8)
+    assert await owner.steps() == []
+
+
 async def test_a_shard_damaged_in_transit_is_refused(pair: list[PeerTier]) -> None:
     owner, _ = pair
     manifest, payloads = _snapshot(1, rank=0)

@@ -577,7 +577,9 @@ class PeerTier(Tier):
             raise TierBrokenError(f"unknown request {op!r}", tier=self.name)
         if store is None:
             raise SnapshotNotFoundError(f"rank {self.rank} holds no replica of rank {owner}")
-        manifest = self._manifests.get(key)
+        # a step still being written is read too: the engine reads a shard back from the
+        # tier before the next one when the arena evicted its block meanwhile
+        manifest = self._manifests.get(key) or self._begun.get(key)
         if manifest is None:
             manifest = await store.read_rank_manifest(step, owner)
             self._manifests[key] = manifest
