@@ -386,3 +386,18 @@ def test_a_corrupt_replica_is_caught_by_its_checksum_and_read_from_the_slow_tier
     assert results[0]["pfs_calls"].get("read_shard", 0) == 1
     assert results[2]["served"].get("read", 0) >= 6
     assert results[1]["pfs_calls"].get("read_shard", 0) == 0
+
+
+@pytest.mark.slow
+def test_the_peer_replicas_example_runs() -> None:
+    import subprocess
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "peer_replicas.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=400, check=False
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "every rank restored bit for bit" in out.stdout
+    for rank in (2, 3):  # node b's ranks served node a's ranks' shards
+        line = next(x for x in out.stdout.splitlines() if x.startswith(f"  rank {rank} (node b) restored"))
+        assert "served 0 shard" not in line

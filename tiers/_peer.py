@@ -179,7 +179,13 @@ class PeerTier(Tier):
         self._serving: set[asyncio.Task[None]] = set()
         self._joined = False
         self._closed = False
-        self.served: dict[str, int] = {}  # requests this rank answered, by kind (metrics)
+        # requests this rank answered for its peers, by kind ("read", "put", ...)
+        self.served: dict[str, int] = {}
+
+    @property
+    def holding(self) -> list[int]:
+        """The ranks whose replicas this rank keeps (known after the rendezvous)."""
+        return sorted(self._stores)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "root": str(self.root), "replicas": self.replicas}
