@@ -34,6 +34,11 @@ class CountingFileTier(FileTier):
         super().__init__(*args, **kwargs)
         self.level = level
         self.calls: Counter[str] = Counter()
+        self.put_delay = 0.0
+
+    async def put_shard(self, manifest: Manifest, shard: ShardMeta, data: memoryview) -> None:
+        await asyncio.sleep(self.put_delay)
+        await super().put_shard(manifest, shard, data)
 
     async def read_manifest(self, step: int) -> Manifest:
         self.calls["read_manifest"] += 1
@@ -67,8 +72,14 @@ async def run(scenario: str, root: Path, rank: int, world: int) -> dict[str, Any
         timeout=10.0, linger=20.0, keep_last=2,
     )
     pfs = CountingFileTier(root / "pfs", name="pfs", level=TierLevel.PFS)
-    chain = [HostMemoryTier(4 << 20), local, peer, pfs]
-    options: dict[str, Any] = {"shard_size": 1 << 14, "deadline": 10.0, "retries": 1}
+    # an arena of four shards and a slow parallel file system taking one shard at a time:
+    # blocks already on the peer tier are evicted before the PFS took them, and the engine
+    # reads them back from the peer tier (the tier before it)
+    chain = [HostMemoryTier(64 << 10), local, peer, pfs]
+    pfs.put_delay = 0.02 if scenario == "save" else 0.0
+    options: dict[str, Any] = {
+        "shard_size": 1 << 14, "deadline": 10.0, "retries": 1, "io_concurrency": 1,
+    }
     result: dict[str, Any] = {"rank": rank, "node": node}
     async with lazyckpt.Checkpointer(chain, **options) as ckpt:
         result["holders"] = list(peer.holders)

@@ -173,7 +173,10 @@ class PeerTier(Tier):
         self._known: list[int] = []  # ranks that reported holding replicas of this rank
         self._where: dict[int, list[int]] = {}  # step -> holders listing it (last steps())
         self._stores: dict[int, FileTier] = {}  # owner rank -> its replicas held here
-        self._begun: dict[tuple[int, int], Manifest] = {}
+        # (owner, step) -> its manifest, from the owner's begin until its commit record:
+        # the puts need it, and a read of a step not yet committed everywhere (the engine
+        # reads a shard back when the arena evicted its block before the next tier took it)
+        self._writing: dict[tuple[int, int], Manifest] = {}
         self._manifests: dict[tuple[int, int], Manifest] = {}  # read cache of held manifests
         self._pools: dict[int, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
         self._serving: set[asyncio.Task[None]] = set()
@@ -528,7 +531,7 @@ class PeerTier(Tier):
         if op == "put":
             store = self._store(owner, writing=True)
             assert store is not None
-            manifest = self._begun.get(key)
+            manifest = self._writing.get(key)
             index = int(header["index"])
             if manifest is None or not 0 <= index < len(manifest.shards):
                 await _skip(reader, size)
@@ -556,24 +559,27 @@ class PeerTier(Tier):
                 raise CorruptionError(f"rank {owner} sent rank {manifest.rank}'s step {manifest.step}")
             if op == "begin":
                 await store.begin(manifest)
-                self._begun[key] = manifest
             else:
-                self._begun.pop(key, None)
                 await store.commit(manifest)
+            self._writing[key] = manifest
             return {"ok": True}, b""
         if op == "global":
             store = self._store(owner, writing=True)
             assert store is not None
             await store.commit_global(step, int(header["world_size"]))
+            committed = self._writing.pop(key, None)
+            if committed is not None:
+                self._manifests[key] = committed
             return {"ok": True}, b""
         store = self._store(owner, writing=False)
         if op == "abort":
-            self._begun.pop(key, None)
+            self._writing.pop(key, None)
             if store is not None:
                 await store.abort(step)
             return {"ok": True}, b""
         if op == "delete":
             self._manifests.pop(key, None)
+            self._writing.pop(key, None)
             if store is not None:
                 await store.delete(step)
             return {"ok": True}, b""
@@ -583,9 +589,7 @@ class PeerTier(Tier):
             raise TierBrokenError(f"unknown request {op!r}", tier=self.name)
         if store is None:
             raise SnapshotNotFoundError(f"rank {self.rank} holds no replica of rank {owner}")
-        # a step still being written is read too: the engine reads a shard back from the
-        # tier before the next one when the arena evicted its block meanwhile
-        manifest = self._manifests.get(key) or self._begun.get(key)
+        manifest = self._writing.get(key) or self._manifests.get(key)
         if manifest is None:
             manifest = await store.read_rank_manifest(step, owner)
             self._manifests[key] = manifest
