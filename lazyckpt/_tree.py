@@ -64,6 +64,7 @@ from ._errors import CorruptionError, UnsupportedStateError
 __all__ = [
     "INLINE_ARRAY_BYTES",
     "DataclassValue",
+    "KeyCache",
     "Stateful",
     "StatefulValue",
     "TensorRef",
@@ -190,52 +191,58 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
-# Child paths of string keys that passed _check_key, by (parent path, key). A model's state
-# has the same keys every step, so after the first snapshot() the per-key checks, escaping
-# and formatting become one dict lookup. Bounded: cleared when it grows past _CHILD_MAX.
-_CHILD: dict[tuple[str, str], str] = {}
-# room for the keys of a state of some 250,000 tensors (a mixture-of-experts model's and its
-# unflattened optimizer state's); past the bound every snapshot() would clear and refill
-# the caches, paying the full per-key checks again (measured: 100,000 tensors under a
-# bound of 65,536 cost twice as much per tensor as 60,000)
-_CHILD_MAX = 1 << 18
+class KeyCache:
+    """What walking a state's string keys produces, kept from one walk to the next.
 
+    A model's state has the same keys every step. With a cache held across walks (the
+    Checkpointer keeps one), the per-key checks, escaping and formatting of a child path
+    become one dict lookup after the first ``snapshot()``, and the tree's
+    ``[key, {"$tensor": i}]`` items are shared between snapshots (trees are never modified
+    after the walk), which keeps ``snapshot()`` from allocating, and the garbage collector
+    from scanning, a new list and dict per tensor per snapshot.
 
-def _child_path(parent: str, k: str) -> str:
-    found = _CHILD.get((parent, k))
-    if found is not None:
+    Args:
+        limit: entries kept per table before it is cleared and refilled. The default has
+            room for the keys of a state of some 250,000 tensors; a state with more keys
+            than the limit pays the full per-key cost on every walk (see
+            ``docs/benchmarks.md``).
+    """
+
+    def __init__(self, limit: int = 1 << 18) -> None:
+        self.limit = limit
+        self._child: dict[tuple[str, str], str] = {}
+        self._pairs: dict[tuple[str, int], list[Any]] = {}
+
+    def child_path(self, parent: str, k: str) -> str:
+        """The path of string key ``k`` under ``parent``, the key checked."""
+        found = self._child.get((parent, k))
+        if found is not None:
+            return found
+        _check_key(k, parent)
+        child = f"{parent}/{_escape(k)}" if parent else _escape(k)
+        if len(self._child) >= self.limit:
+            self._child.clear()
+        self._child[(parent, k)] = child
+        return child
+
+    def tensor_pair(self, k: str, index: int) -> list[Any]:
+        """The tree item ``[k, {"$tensor": index}]``, shared between walks."""
+        found = self._pairs.get((k, index))
+        if found is None:
+            if len(self._pairs) >= self.limit:
+                self._pairs.clear()
+            found = self._pairs[(k, index)] = [k, {"$tensor": index}]
         return found
-    _check_key(k, parent)
-    child = f"{parent}/{_escape(k)}" if parent else _escape(k)
-    if len(_CHILD) >= _CHILD_MAX:
-        _CHILD.clear()
-    _CHILD[(parent, k)] = child
-    return child
-
-
-# The tree's ``[key, {"$tensor": i}]`` items, shared between snapshots of the same state:
-# trees are never modified after the walk, and a model's keys and tensor order repeat every
-# step. Sharing them keeps snapshot() from allocating (and the garbage collector from
-# scanning) one new list and dict per tensor per snapshot. Bounded like _CHILD.
-_PAIRS: dict[tuple[str, int], list[Any]] = {}
-
-
-def _tensor_pair(k: str, index: int) -> list[Any]:
-    found = _PAIRS.get((k, index))
-    if found is None:
-        if len(_PAIRS) >= _CHILD_MAX:
-            _PAIRS.clear()
-        found = _PAIRS[(k, index)] = [k, {"$tensor": index}]
-    return found
 
 
 _Parameter = torch.nn.Parameter
 
 
 class _Walker:
-    def __init__(self, allow_pickle: bool, lenient: bool = False) -> None:
+    def __init__(self, allow_pickle: bool, lenient: bool, keys: KeyCache) -> None:
         self.allow_pickle = allow_pickle
         self.lenient = lenient
+        self.keys = keys
         self.tensors: list[TensorRef] = []
         self._by_ptr: dict[int, int | list[int]] = {}  # data pointer -> first tensor(s) there
         self._active: set[int] = set()
@@ -358,12 +365,13 @@ class _Walker:
             return {"$tuple": [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]}
         items = []
         encode = self.encode
+        child_path, tensor_pair = self.keys.child_path, self.keys.tensor_pair
         for k, v in obj.items():
             if type(k) is str:  # the usual case: a cached path, the key encodes as itself
                 if isinstance(v, torch.Tensor):
-                    items.append(_tensor_pair(k, self._add_tensor(v, _child_path(key, k))))
+                    items.append(tensor_pair(k, self._add_tensor(v, child_path(key, k))))
                 else:
-                    items.append([k, encode(v, _child_path(key, k))])
+                    items.append([k, encode(v, child_path(key, k))])
                 continue
             if not (k is None or type(k) in (bool, int, float, tuple)):
                 raise UnsupportedStateError(
@@ -413,20 +421,22 @@ class _Walker:
 
 
 def walk_state(
-    state: Any, *, allow_pickle: bool, lenient: bool = False
+    state: Any, *, allow_pickle: bool, lenient: bool = False, keys: KeyCache | None = None
 ) -> tuple[JSON, list[TensorRef]]:
     """Walk ``state`` into its tagged-JSON tree and its tensors (see the module docstring).
 
     ``lenient`` (used to find the tensors of an ``into=`` target) skips values it cannot
-    encode instead of refusing them. A tensor seen a second time under another key (same storage, offset, shape, strides and
-    dtype: a tied weight) becomes an alias of the first and is stored once.
+    encode instead of refusing them. A tensor seen a second time under another key (same
+    storage, offset, shape, strides and dtype: a tied weight) becomes an alias of the first
+    and is stored once. ``keys``: a :class:`KeyCache` kept across walks of the same state
+    (none: a fresh one, for this walk only).
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
             f"the state must be a mapping (a dict of tensors, Stateful objects and plain "
             f"values), got {type(state).__qualname__}"
         )
-    walker = _Walker(allow_pickle, lenient)
+    walker = _Walker(allow_pickle, lenient, KeyCache() if keys is None else keys)
     tree = walker.encode(state, "")
     return tree, walker.tensors
 
@@ -585,7 +595,12 @@ _OBJECT_TAGS: dict[str, Any] = {
 def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
     """The tags of plain values, containers and tensors."""
     if tag == "$dict":
-        return {_hashable(dec.decode(k)): dec.decode(v) for k, v in value}
+        keys = [dec.decode(k) for k, _ in value]
+        values = [dec.decode(v) for _, v in value]
+        try:
+            return dict(zip(keys, values, strict=True))
+        except TypeError as exc:  # keys are encoded hashable: only damage makes one a list
+            raise CorruptionError(f"a mapping key of the value tree is not hashable: {exc}") from exc
     if tag == "$tuple":
         return tuple(dec.decode(v) for v in value)
     if tag == "$stateful":
@@ -620,10 +635,3 @@ def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
             )
         return pickle.loads(base64.b64decode(value, validate=True))
     raise CorruptionError(f"unknown tag {tag!r} in value tree")
-
-
-def _hashable(key: Any) -> Any:
-    if isinstance(key, list):  # defensive: keys are encoded as tuples, never lists
-        raise CorruptionError("a mapping key decoded to a list")
-    return key
-

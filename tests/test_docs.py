@@ -42,3 +42,15 @@ def test_relative_links_resolve() -> None:
     for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+def test_tiers_md_imports_the_whole_plugin_interface() -> None:
+    # a tier author sees everything from one import: the block in docs/tiers.md runs and
+    # names every public name of lazyckpt.tier
+    import lazyckpt.tier
+
+    block = snippet("tiers.md", "from lazyckpt.tier import")
+    scope: dict[str, object] = {}
+    exec(block, scope)
+    named = set(re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b", block.split("import", 1)[1]))
+    assert set(lazyckpt.tier.__all__) <= named, set(lazyckpt.tier.__all__) - named

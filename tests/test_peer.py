@@ -126,7 +126,7 @@ async def _pair(root: Path, **kwargs: Any) -> list[PeerTier]:
     tiers = []
     for rank, node in enumerate(["a", "b"]):
         tier = PeerTier(root / node, node=node, address="127.0.0.1", timeout=5.0, linger=1.0, **kwargs)
-        tier.rank, tier.world_size = rank, 2
+        tier.bind(rank, 2)
         await tier.open()
         tiers.append(tier)
     gather = _Gather(2)
@@ -263,7 +263,7 @@ async def test_with_two_replicas_a_damaged_copy_moves_the_read_on(tmp_path: Path
     gather = _Gather(3)
     for rank, node in enumerate(["a", "b", "c"]):
         tier = PeerTier(tmp_path / node, node=node, address="127.0.0.1", replicas=2, timeout=5.0, linger=1.0)
-        tier.rank, tier.world_size = rank, 3
+        tier.bind(rank, 3)
         await tier.open()
         tiers.append(tier)
     try:
