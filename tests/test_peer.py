@@ -229,13 +229,16 @@ async def test_a_stranger_without_the_jobs_secret_is_dropped(pair: list[PeerTier
     manifest, payloads = _snapshot(2, rank=0)
     await _write(owner, manifest, payloads)
     assert holder.address is not None
-    reader, writer = await asyncio.open_connection(*holder.address)
-    from tiers._peer import _receive, _send
+    import socket
 
-    await _send(writer, {"op": "hello", "token": "not-the-secret", "rank": 0})
-    with pytest.raises(asyncio.IncompleteReadError):
-        await _receive(reader)  # closed without an answer
-    writer.close()
+    from tiers._peer import _Conn
+
+    conn = _Conn(socket.socket())
+    await asyncio.get_running_loop().sock_connect(conn.sock, holder.address)
+    await conn.send({"op": "hello", "token": "not-the-secret", "rank": 0})
+    with pytest.raises(EOFError):
+        await conn.receive_header()  # closed without an answer
+    conn.close()
     assert await owner.steps() == [2]  # nothing changed for the job
 
 

@@ -17,7 +17,10 @@ asyncio TCP server on the engine's loop and exchanges its address, its node name
 per-job secret over lazyckpt's own control group; from then on shards travel over plain
 TCP connections, one request at a time per connection, a few connections per peer. A
 request is a length-prefixed JSON header and a payload; a connection opens with the job's
-secret, so a process of another job (or a stale one) cannot write here.
+secret, so a process of another job (or a stale one) cannot write here. The sockets are
+driven with the loop's ``sock_*`` calls, not streams, so a payload moves between the
+kernel and its final buffer with no copy in between: a shard to send straight from the
+arena block, a shard read back straight into the restore's destination.
 
 What a holder does with a replica: it keeps one :class:`tiers.FileTier` per rank it holds
 replicas of, under ``root/rank-NNNNN/``, and runs the owner's requests on it (begin, put,
@@ -83,7 +86,7 @@ __all__ = ["PeerTier"]
 
 log = logging.getLogger("lazyckpt")
 
-_FRAME = struct.Struct("!IQ")  # header bytes, payload bytes
+_FRAME = struct.Struct("!IQ")  # header bytes, payload bytes: 12 bytes
 _MAX_HEADER = 1 << 16
 _MAX_PAYLOAD = 1 << 34  # a manifest or one shard; the real bound is checked per request
 _OWNER_DIR = re.compile(r"^rank-(\d{5})$")
@@ -93,14 +96,6 @@ _ERRORS: dict[str, Callable[[str, str], LazyCkptError]] = {
     "full": lambda msg, tier: TierFullError(msg, tier=tier),
     "broken": lambda msg, tier: TierBrokenError(msg, tier=tier),
 }
-
-
-class _Refused(Exception):
-    """A peer answered a request with an error (the connection stays usable)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 class PeerTier(Tier):
@@ -165,7 +160,8 @@ class PeerTier(Tier):
         self._address_override = address
         self.node = ""
         self.address: tuple[str, int] | None = None
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._token = ""
         self._peers: list[tuple[str, int]] = []
         self.nodes: list[str] = []
@@ -178,7 +174,7 @@ class PeerTier(Tier):
         # reads a shard back when the arena evicted its block before the next tier took it)
         self._writing: dict[tuple[int, int], Manifest] = {}
         self._manifests: dict[tuple[int, int], Manifest] = {}  # read cache of held manifests
-        self._pools: dict[int, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._pools: dict[int, list[_Conn]] = {}
         self._serving: set[asyncio.Task[None]] = set()
         self._joined = False
         self._closed = False
@@ -210,18 +206,30 @@ class PeerTier(Tier):
             )
         self.node = node_identity(self._node_override)
         host = self._address_override or os.environ.get("LAZYCKPT_PEER_ADDR") or _own_address()
+        loop = asyncio.get_running_loop()
         try:
-            self._server = await asyncio.start_server(
-                self._serve, host, self.port, limit=1 << 20, reuse_address=True
-            )
+            family, kind, proto, _, where = (
+                await loop.getaddrinfo(host, self.port, type=socket.SOCK_STREAM)
+            )[0]
+            listener = socket.socket(family, kind, proto)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(where)
+                listener.listen(256)
+                listener.setblocking(False)
+            except BaseException:
+                listener.close()
+                raise
         except OSError as exc:
             raise TierBrokenError(
                 f"cannot listen on {host}:{self.port} for peer replicas: {exc}; give "
                 "PeerTier(address=..., port=...) an address of this host the others reach",
                 tier=self.name,
             ) from exc
-        bound = self._server.sockets[0].getsockname()
-        self.address = (host, int(bound[1]))
+        self._listener = listener
+        self.address = (host, int(listener.getsockname()[1]))
+        # the tier owns this task (and the connections' tasks): aclose ends them
+        self._accepting = loop.create_task(self._accept(), name=f"lazyckpt-{self.name}-accept")
 
     async def rendezvous(self, exchange: Exchange) -> None:
         """Meet the peers: addresses, nodes and the job's secret; the placement; the
@@ -261,21 +269,25 @@ class PeerTier(Tier):
             return
         self._closed = True
         for pool in self._pools.values():  # ours first: a peer waiting on us may go now
-            for _, writer in pool:
-                writer.close()
+            for conn in pool:
+                conn.close()
         self._pools.clear()
-        if self._server is not None:
-            self._server.close()  # no new connections; those open are served on
-            if self._serving:
-                _, late = await asyncio.wait(set(self._serving), timeout=self.linger)
-                for task in late:
-                    task.cancel()
-                if late:
-                    log.warning(
-                        "peer tier %s: %d peer connection(s) still open after %.0fs; closed",
-                        self.name, len(late), self.linger, extra={"tier": self.name},
-                    )
-                    await asyncio.wait(late)
+        if self._accepting is not None:  # no new connections; those open are served on
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if self._listener is not None:
+            self._listener.close()
+        if self._serving:
+            _, late = await asyncio.wait(set(self._serving), timeout=self.linger)
+            for task in late:
+                task.cancel()
+            if late:
+                log.warning(
+                    "peer tier %s: %d peer connection(s) still open after %.0fs; closed",
+                    self.name, len(late), self.linger, extra={"tier": self.name},
+                )
+                await asyncio.wait(late)
         results = await asyncio.gather(
             *(s.aclose() for s in self._stores.values()), return_exceptions=True
         )
@@ -411,17 +423,16 @@ class PeerTier(Tier):
         for n, holder in enumerate(holders):
             header = {"op": "read", "owner": manifest.rank, "step": manifest.step, "index": shard.index}
             try:
-                _, data = await self._request(holder, header)
+                reply, _ = await self._request(holder, header, into=out)
             except (CorruptionError, SnapshotNotFoundError, TierBrokenError) as exc:
                 problems.append(f"rank {holder}: {exc}")
                 continue
-            if len(data) != shard.length:
-                problems.append(f"rank {holder} sent {len(data)} bytes, not {shard.length}")
+            if not reply.get("into"):
+                problems.append(f"rank {holder} sent {reply.get('size')} bytes, not {shard.length}")
                 continue
-            if n < len(holders) - 1 and crc32c.crc32c(data) != shard.crc32c:
+            if n < len(holders) - 1 and crc32c.crc32c(out) != shard.crc32c:
                 problems.append(f"rank {holder}'s copy fails its checksum")
                 continue
-            out[:] = data
             return
         raise CorruptionError(
             f"tier {self.name!r}: no peer holds shard {shard.index} of rank {manifest.rank}, "
@@ -431,10 +442,12 @@ class PeerTier(Tier):
     # -- the wire ------------------------------------------------------------------------
 
     async def _request(
-        self, holder: int, header: dict[str, Any], payload: Any = b""
+        self, holder: int, header: dict[str, Any], payload: Any = b"", *, into: memoryview | None = None
     ) -> tuple[dict[str, Any], bytes]:
         """One request to ``holder`` and its answer, within ``timeout``. A refusal is raised
-        as the error the holder met; a broken connection as TierBrokenError."""
+        as the error the holder met; a broken connection as TierBrokenError. With ``into``,
+        an answer's payload of exactly ``len(into)`` bytes is received into it (the reply
+        then says ``"into": True``) instead of being returned."""
         if self._closed:
             raise TierClosedError("closed", tier=self.name)
         host, port = self._peers[holder]
@@ -443,73 +456,92 @@ class PeerTier(Tier):
         try:
             async with asyncio.timeout(self.timeout):
                 conn = await self._connection(holder)
-                reader, writer = conn
-                await _send(writer, header, payload)
-                reply, data = await _receive(reader)
-        except _Refused as exc:
-            # the answer was read whole: the connection is still in step
-            assert conn is not None
-            self._pools.setdefault(holder, []).append(conn)
-            make = _ERRORS.get(exc.kind, _ERRORS["broken"])
-            raise make(f"{where}: {exc}", self.name) from None
-        except (OSError, EOFError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+                await conn.send(header, payload)
+                reply, size = await conn.receive_header()
+                if into is not None and size == len(into) and "error" not in reply:
+                    await conn.receive_into(into)
+                    reply["into"], data = True, bytearray()
+                else:
+                    data = await conn.receive(size)
+                    reply["size"] = size
+        except (OSError, EOFError, TimeoutError, ValueError) as exc:
             if conn is not None:
-                conn[1].close()
+                conn.close()
             raise TierBrokenError(f"{where}: {exc!r}", tier=self.name) from exc
         except BaseException:  # cancelled mid-request: the connection is out of step
             if conn is not None:
-                conn[1].close()
+                conn.close()
             raise
-        self._pools.setdefault(holder, []).append(conn)
-        return reply, data
+        self._pools.setdefault(holder, []).append(conn)  # the answer was read whole
+        if "error" in reply:
+            make = _ERRORS.get(str(reply["error"]), _ERRORS["broken"])
+            raise make(f"{where}: {reply.get('message', '')}", self.name)
+        return reply, bytes(data)
 
-    async def _connection(
-        self, holder: int
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connection(self, holder: int) -> _Conn:
         pool = self._pools.setdefault(holder, [])
         while pool:
-            reader, writer = pool.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
-            writer.close()
+            conn = pool.pop()
+            if not conn.closed:
+                return conn
         host, port = self._peers[holder]
-        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, where = (
+            await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        )[0]
+        conn = _Conn(socket.socket(family, kind, proto))
         try:
-            await _send(writer, {"op": "hello", "token": self._token, "rank": self.rank})
-            await _receive(reader)
+            await loop.sock_connect(conn.sock, where)
+            await conn.send({"op": "hello", "token": self._token, "rank": self.rank})
+            reply, size = await conn.receive_header()
+            await conn.receive(size)
+            if "error" in reply:
+                raise ValueError(f"refused: {reply.get('message')}")
         except BaseException:
-            writer.close()
+            conn.close()
             raise
-        return reader, writer
+        return conn
 
     # -- the holder's side -----------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._serving.add(task)
+    async def _accept(self) -> None:
+        """Accept peers' connections until the tier closes; each is served by a task of its
+        own, which :meth:`aclose` waits for (or cancels after ``linger``)."""
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # out of descriptors, say: keep the server up
+                log.warning("peer tier %s: accept failed: %s", self.name, exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._serve(_Conn(sock)), name=f"lazyckpt-{self.name}-serve")
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, conn: _Conn) -> None:
         try:
-            header, _ = await _receive_header(reader)
-            if header.get("op") != "hello" or not hmac.compare_digest(
+            header, size = await conn.receive_header()
+            if size or header.get("op") != "hello" or not hmac.compare_digest(
                 str(header.get("token", "")), self._token or secrets.token_hex(16)
             ):
                 return  # not this job's: drop it without a word
-            await _send(writer, {"ok": True})
+            await conn.send({"ok": True})
             while True:
                 try:
-                    header, size = await _receive_header(reader)
-                except asyncio.IncompleteReadError:
+                    header, size = await conn.receive_header()
+                except EOFError:
                     return  # the peer closed the connection
                 try:
-                    reply, data = await self._answer(header, size, reader)
+                    reply, data = await self._answer(header, size, conn)
                 except LazyCkptError as exc:
                     reply, data = {"error": _kind(exc), "message": str(exc)}, b""
-                await _send(writer, reply, data)
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                await conn.send(reply, data)
+        except (OSError, EOFError, ValueError) as exc:
             log.debug("peer tier %s: connection ended: %r", self.name, exc)
         finally:
-            self._serving.discard(task)
-            writer.close()
+            conn.close()
 
     def _store(self, owner: int, writing: bool) -> FileTier | None:
         store = self._stores.get(owner)
@@ -522,7 +554,7 @@ class PeerTier(Tier):
         return store
 
     async def _answer(
-        self, header: dict[str, Any], size: int, reader: asyncio.StreamReader
+        self, header: dict[str, Any], size: int, conn: _Conn
     ) -> tuple[dict[str, Any], bytes | bytearray]:
         """Run one request of a peer on the replica store it names."""
         op, owner, step = header.get("op"), int(header.get("owner", -1)), int(header.get("step", -1))
@@ -534,13 +566,13 @@ class PeerTier(Tier):
             manifest = self._writing.get(key)
             index = int(header["index"])
             if manifest is None or not 0 <= index < len(manifest.shards):
-                await _skip(reader, size)
+                await conn.skip(size)
                 raise TierBrokenError(f"put of rank {owner}'s step {step} before its begin", tier=self.name)
             shard = manifest.shards[index]
             if size != shard.length:
-                await _skip(reader, size)
+                await conn.skip(size)
                 raise TierBrokenError(f"shard {index} of rank {owner}: {size} bytes, not {shard.length}", tier=self.name)
-            data = await reader.readexactly(size)
+            data = await conn.receive(size)
             if crc32c.crc32c(data) != header["crc32c"]:
                 raise CorruptionError(
                     f"shard {index} of rank {owner}'s step {step} arrived damaged (checksum)"
@@ -548,13 +580,13 @@ class PeerTier(Tier):
             await store.put_shard(manifest, replace(shard, crc32c=header["crc32c"]), memoryview(data))
             return {"ok": True}, b""
         if size > _MAX_HEADER * 1024:  # a manifest: large, but not a shard's size
-            await _skip(reader, size)
+            await conn.skip(size)
             raise TierBrokenError(f"request {op!r} with {size} bytes refused", tier=self.name)
-        payload = await reader.readexactly(size) if size else b""
+        payload = await conn.receive(size)
         if op in ("begin", "commit"):
             store = self._store(owner, writing=True)
             assert store is not None
-            manifest = Manifest.from_json(payload, source=f"rank {owner}'s step {step}")
+            manifest = Manifest.from_json(bytes(payload), source=f"rank {owner}'s step {step}")
             if manifest.rank != owner or manifest.step != step:
                 raise CorruptionError(f"rank {owner} sent rank {manifest.rank}'s step {manifest.step}")
             if op == "begin":
@@ -616,38 +648,60 @@ def _kind(exc: LazyCkptError) -> str:
     return "broken"
 
 
-async def _send(writer: asyncio.StreamWriter, header: dict[str, Any], payload: Any = b"") -> None:
-    doc = json.dumps(header).encode()
-    size = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
-    writer.write(_FRAME.pack(len(doc), size) + doc)
-    if size:
-        writer.write(payload)
-    await writer.drain()
+class _Conn:
+    """One TCP connection, driven with the loop's ``sock_*`` calls. Frames are a 12-byte
+    prefix (header bytes, payload bytes), a JSON header, then the payload."""
 
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        with contextlib.suppress(OSError):  # requests are small and answered at once
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.closed = False
 
-async def _receive_header(reader: asyncio.StreamReader) -> tuple[dict[str, Any], int]:
-    n, size = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-    if n > _MAX_HEADER or size > _MAX_PAYLOAD:
-        raise ValueError(f"a frame of {n} + {size} bytes is not lazyckpt's peer protocol")
-    header = json.loads(await reader.readexactly(n))
-    if not isinstance(header, dict):
-        raise ValueError("a frame whose header is not a JSON object")
-    return header, size
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
 
+    async def send(self, header: dict[str, Any], payload: Any = b"") -> None:
+        loop = asyncio.get_running_loop()
+        doc = json.dumps(header).encode()
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        await loop.sock_sendall(self.sock, _FRAME.pack(len(doc), size) + doc)
+        if size:
+            await loop.sock_sendall(self.sock, payload)
 
-async def _receive(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
-    """An answer: its header and payload; a refusal raised as :class:`_Refused`."""
-    header, size = await _receive_header(reader)
-    data = await reader.readexactly(size) if size else b""
-    if "error" in header:
-        raise _Refused(str(header["error"]), str(header.get("message", "")))
-    return header, data
+    async def receive_into(self, view: memoryview | bytearray) -> None:
+        """Fill ``view`` exactly; EOFError if the peer closes first."""
+        loop = asyncio.get_running_loop()
+        view = memoryview(view).cast("B")
+        done = 0
+        while done < len(view):
+            n = await loop.sock_recv_into(self.sock, view[done:])
+            if n == 0:
+                raise EOFError(f"connection closed after {done} of {len(view)} bytes")
+            done += n
 
+    async def receive(self, size: int) -> bytearray:
+        buf = bytearray(size)
+        if size:
+            await self.receive_into(buf)
+        return buf
 
-async def _skip(reader: asyncio.StreamReader, size: int) -> None:
-    """Read and drop a payload the request may not have, keeping the connection in step."""
-    while size:
-        size -= len(await reader.readexactly(min(size, 1 << 20)))
+    async def receive_header(self) -> tuple[dict[str, Any], int]:
+        n, size = _FRAME.unpack(await self.receive(_FRAME.size))
+        if n > _MAX_HEADER or size > _MAX_PAYLOAD:
+            raise ValueError(f"a frame of {n} + {size} bytes is not lazyckpt's peer protocol")
+        header = json.loads(await self.receive(n))
+        if not isinstance(header, dict):
+            raise ValueError("a frame whose header is not a JSON object")
+        return header, size
+
+    async def skip(self, size: int) -> None:
+        """Read and drop a payload the request may not have, keeping the connection in step."""
+        while size:
+            size -= len(await self.receive(min(size, 1 << 20)))
 
 
 def _owner_dirs(root: Path) -> set[int]:
