@@ -25,6 +25,9 @@ CHAINS = [
     [TierLevel.LOCAL],
     [TierLevel.PFS],
     [TierLevel.LOCAL, TierLevel.PFS],
+    [TierLevel.LOCAL, TierLevel.PEER, TierLevel.PFS],
+    [TierLevel.PEER, TierLevel.PFS],
+    [TierLevel.LOCAL, TierLevel.PEER],
 ]
 
 
@@ -75,7 +78,13 @@ def test_host_to_pfs_skips_local() -> None:
 
 @pytest.mark.parametrize(
     "levels",
-    [[TierLevel.PFS, TierLevel.LOCAL], [TierLevel.LOCAL, TierLevel.LOCAL], [TierLevel.HOST]],
+    [
+        [TierLevel.PFS, TierLevel.LOCAL],
+        [TierLevel.LOCAL, TierLevel.LOCAL],
+        [TierLevel.HOST],
+        [TierLevel.PFS, TierLevel.PEER],
+        [TierLevel.PEER, TierLevel.LOCAL],
+    ],
 )
 def test_bad_chains_are_refused(levels: list[TierLevel]) -> None:
     with pytest.raises(ConfigurationError):
