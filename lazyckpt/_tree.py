@@ -193,7 +193,7 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
 # Child paths of string keys that passed _check_key, by (parent path, key). A model's state
 # has the same keys every step, so after the first snapshot() the per-key checks, escaping
 # and formatting become one dict lookup. Bounded: cleared when it grows past _CHILD_MAX.
-_CHILD: dict[tuple[str, str], str] = {}
+_CHILD: dict[tuple[str, str | int], str] = {}
 # room for the keys of a state of some 250,000 tensors (a mixture-of-experts model's and its
 # unflattened optimizer state's); past the bound every snapshot() would clear and refill
 # the caches, paying the full per-key checks again (measured: 100,000 tensors under a
@@ -201,35 +201,34 @@ _CHILD: dict[tuple[str, str], str] = {}
 _CHILD_MAX = 1 << 18
 
 
-def _child_path(parent: str, k: str) -> str:
+def _child_path(parent: str, k: str | int) -> str:
     found = _CHILD.get((parent, k))
     if found is not None:
         return found
-    _check_key(k, parent)
-    child = f"{parent}/{_escape(k)}" if parent else _escape(k)
+    if type(k) is str:
+        _check_key(k, parent)
+        name = _escape(k)
+    else:  # an int (never a bool: the callers test the type): digits need no escaping
+        name = str(k)
+    child = f"{parent}/{name}" if parent else name
     if len(_CHILD) >= _CHILD_MAX:
         _CHILD.clear()
     _CHILD[(parent, k)] = child
     return child
 
 
-# The tree's ``[key, {"$tensor": i}]`` items, shared between snapshots of the same state:
-# trees are never modified after the walk, and a model's keys and tensor order repeat every
-# step. Sharing them keeps snapshot() from allocating (and the garbage collector from
-# scanning) one new list and dict per tensor per snapshot. Bounded like _CHILD.
-_PAIRS: dict[tuple[str, int], list[Any]] = {}
-
-
-def _tensor_pair(k: str, index: int) -> list[Any]:
-    found = _PAIRS.get((k, index))
-    if found is None:
-        if len(_PAIRS) >= _CHILD_MAX:
-            _PAIRS.clear()
-        found = _PAIRS[(k, index)] = [k, {"$tensor": index}]
-    return found
+# Per (parent path, key) of a tensor: [its path, its index in the last walk, the tree's
+# ``[key, {"$tensor": index}]`` item for that index]. The items are shared between
+# snapshots of the same state: trees are never modified after the walk, and a model's keys
+# and tensor order repeat every step. Sharing them keeps snapshot() from allocating (and the
+# garbage collector from scanning) a new list and dict per tensor per snapshot, and one
+# lookup in a table of every tensor of the state replaces two (at 100,000 tensors each is a
+# cache miss). Bounded like _CHILD.
+_ITEMS: dict[tuple[str, str | int], list[Any]] = {}
 
 
 _Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
 
 
 class _Walker:
@@ -242,8 +241,11 @@ class _Walker:
         self._replicated = 0  # depth of Replicated markers around the value being walked
 
     def encode(self, obj: Any, key: str) -> JSON:
-        if obj is None or type(obj) in (bool, int, str):
+        kind = type(obj)
+        if obj is None or kind in (bool, int, str):
             return obj
+        if kind is dict:  # before the other tests: the nesting of a state is mostly dicts
+            return self._container(obj, key)
         if type(obj) is float:
             if math.isfinite(obj):
                 return obj
@@ -260,20 +262,10 @@ class _Walker:
             return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
             return {"$np": [obj.dtype.str, self.encode(obj.item(), key)]}
-        if type(obj) in (dict, list, tuple) or (
+        if type(obj) in (list, tuple) or (
             isinstance(obj, Mapping) and not isinstance(obj, Stateful)
         ):
-            if id(obj) in self._active:
-                raise UnsupportedStateError(f"the state contains a cycle at {key!r}")
-            self._active.add(id(obj))
-            try:
-                return self._encode_container(obj, key)
-            except RuntimeError as exc:  # e.g. "dictionary changed size during iteration"
-                raise UnsupportedStateError(
-                    f"the state at {key!r} changed while snapshot() was reading it: {exc}"
-                ) from exc
-            finally:
-                self._active.discard(id(obj))
+            return self._container(obj, key)
         if isinstance(obj, Stateful):
             marker = isinstance(obj, ReplicatedMarker)
             self._replicated += marker
@@ -300,6 +292,19 @@ class _Walker:
             "to the Checkpointer on both save and restore if you trust every reader of this "
             "checkpoint."
         )
+
+    def _container(self, obj: Any, key: str) -> JSON:
+        if id(obj) in self._active:
+            raise UnsupportedStateError(f"the state contains a cycle at {key!r}")
+        self._active.add(id(obj))
+        try:
+            return self._encode_container(obj, key)
+        except RuntimeError as exc:  # e.g. "dictionary changed size during iteration"
+            raise UnsupportedStateError(
+                f"the state at {key!r} changed while snapshot() was reading it: {exc}"
+            ) from exc
+        finally:
+            self._active.discard(id(obj))
 
     def _encode_object(self, obj: Any, key: str) -> JSON:
         """The trainer-state objects that have a tag of their own; None for any other."""
@@ -357,11 +362,21 @@ class _Walker:
         if isinstance(obj, tuple):
             return {"$tuple": [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]}
         items = []
-        encode = self.encode
+        encode, add_tensor = self.encode, self._add_tensor
         for k, v in obj.items():
-            if type(k) is str:  # the usual case: a cached path, the key encodes as itself
+            kind = type(k)
+            if kind is str or kind is int:  # the usual cases: the key encodes as itself
                 if isinstance(v, torch.Tensor):
-                    items.append(_tensor_pair(k, self._add_tensor(v, _child_path(key, k))))
+                    # one lookup for the path and the tree's item (see _ITEMS)
+                    entry = _ITEMS.get((key, k))
+                    if entry is None:
+                        if len(_ITEMS) >= _CHILD_MAX:
+                            _ITEMS.clear()
+                        entry = _ITEMS[(key, k)] = [_child_path(key, k), -1, None]
+                    index = add_tensor(v, entry[0])
+                    if entry[1] != index:  # a new list: earlier trees keep theirs as they were
+                        entry[1], entry[2] = index, [k, {"$tensor": index}]
+                    items.append(entry[2])
                 else:
                     items.append([k, encode(v, _child_path(key, k))])
                 continue
@@ -383,32 +398,30 @@ class _Walker:
             if found is not None:
                 dtensor = t
                 t, dist = found
-        _check_tensor(key, t)
+        # the usual case in one test (a quantized tensor's dtype is not in _DTYPE_NAMES)
+        if t.layout is not _STRIDED or t.dtype not in _DTYPE_NAMES or t.is_meta:
+            _check_tensor(key, t)
         if dist is None and self._replicated:
             dist = replicated_info(t)
         # aliases share a data pointer: the full identity is compared only on a shared one
         ptr = t.data_ptr()
+        index = len(self.tensors)
         first: int | None = None
-        sharing = self._by_ptr.get(ptr)
-        if sharing is not None:
+        sharing = self._by_ptr.setdefault(ptr, index)  # the usual case: one lookup, no list
+        if sharing is not index:
             ident = _identity(t)
             candidates = (sharing,) if isinstance(sharing, int) else sharing
             first = next((j for j in candidates if _identity(self.tensors[j].tensor) == ident), None)
+            if first is None:
+                if isinstance(sharing, int):
+                    self._by_ptr[ptr] = [sharing, index]
+                else:
+                    sharing.append(index)
         try:
             version: int | None = t._version
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
             version = None
-        index = len(self.tensors)
-        self.tensors.append(
-            TensorRef(key, t, version, first, dist, dtensor)
-        )
-        if first is None:
-            if sharing is None:
-                self._by_ptr[ptr] = index  # the usual case: no list per tensor
-            elif isinstance(sharing, int):
-                self._by_ptr[ptr] = [sharing, index]
-            else:
-                sharing.append(index)
+        self.tensors.append(TensorRef(key, t, version, first, dist, dtensor))
         return index
 
 
