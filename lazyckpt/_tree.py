@@ -517,8 +517,13 @@ class _Decoder:
         self.plain = plain
 
     def decode(self, node: JSON) -> Any:
-        if node is None or isinstance(node, bool | int | str | float):
+        kind = type(node)
+        if kind is str or kind is int or node is None or isinstance(node, bool | int | str | float):
             return node
+        if kind is dict and len(node) == 1:  # the usual node first: a tensor reference
+            index = node.get("$tensor", node)
+            if type(index) is int and 0 <= index < len(self.tensors):
+                return self.tensors[index]
         if isinstance(node, list):
             return [self.decode(v) for v in node]
         if not isinstance(node, dict) or len(node) != 1:
@@ -598,7 +603,8 @@ _OBJECT_TAGS: dict[str, Any] = {
 def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
     """The tags of plain values, containers and tensors."""
     if tag == "$dict":
-        return {_hashable(dec.decode(k)): dec.decode(v) for k, v in value}
+        decode = dec.decode
+        return {k if type(k) is str else _hashable(decode(k)): decode(v) for k, v in value}
     if tag == "$tuple":
         return tuple(dec.decode(v) for v in value)
     if tag == "$stateful":
