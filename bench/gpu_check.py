@@ -597,14 +597,30 @@ def run_dcp(
             use_async_staging=True,
             use_non_blocking_copy=cuda,
         )
-        stager = DefaultStager(options)
+
+        class KeptStager(DefaultStager):
+            """A stager that outlives each ``async_save``.
+
+            Some torch releases close the caller's stager when the first save's upload
+            finishes, which empties its copy table, so the second save fails with
+            ``KeyError(<class 'type'>)``. Reusing one stager (and its pinned buffers) is how
+            DCP's lazy mode is meant to run, so ``close`` waits for the end of the run.
+            """
+
+            def close(self) -> None:
+                pass
+
+            def release(self) -> None:
+                super().close()
+
+        stager = KeptStager(options)
     iter_s = runs["no_checkpoint"].get("iter_ms", 1000) / 1e3
     copy_s = trainer.state_bytes() / (2e9 if cuda else 1e9)  # pageable copies are slow
     estimate = (args.warmup + args.iters) * (iter_s + copy_s) + 10
     if budget.left() < estimate + 10:
         runs[name] = {"skipped": "budget", "estimate_s": round(estimate)}
         if stager is not None:
-            stager.close()
+            stager.release()
         return
     log(name)
     state = {"model": trainer.model.state_dict(), "optim": trainer.optimizer.state_dict()}
@@ -650,7 +666,7 @@ def run_dcp(
         runs[name] = {"error": repr(exc)}
     finally:
         if stager is not None:
-            stager.close()
+            stager.release()
 
 
 def phase_stall(report: Report, budget: Budget, args: argparse.Namespace) -> None:

@@ -28,15 +28,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-import crc32c
 import torch
 
 from . import hooks
@@ -47,116 +45,30 @@ from ._distributed import Coordinator, distributed_context
 from ._errors import (
     CheckpointerClosedError,
     ConfigurationError,
-    CorruptionError,
-    DeadlineExceededError,
     LazyCkptError,
     SnapshotFailedError,
     TierBrokenError,
     TierFullError,
 )
+from ._fetch import read_copy
+from ._flight import Flight, SnapshotStats
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
-from ._state import Event, ShardState, StateTable, advance, build_table
+from ._options import CheckpointerOptions
+from ._state import Event, StateTable, advance, build_table
 from ._tier import SupportsGlobalCommit, SupportsStaging, Tier
-from ._tree import TensorRef
+from ._tiercall import RetryPolicy, call_tier
 
-__all__ = ["Engine", "EngineOptions", "Flight", "SnapshotStats"]
+__all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 
 log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """Tunables of the engine (the Checkpointer's keyword arguments)."""
-
-    layout: LayoutOptions = field(default_factory=LayoutOptions)
-    allow_pickle: bool = False
-    capture_threads: int = 2
-    checksum_threads: int | None = None
-    io_concurrency: int = 4
-    deadline: float | None = 300.0
-    retries: int = 3
-    retry_backoff: float = 0.05
-    when_busy: Literal["wait", "skip"] = "wait"
-    staging_bytes: int = 256 << 20
-    use_uvloop: bool | None = None
-    distributed: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.capture_threads < 1 or self.io_concurrency < 1:
-            raise ConfigurationError("capture_threads and io_concurrency must be at least 1")
-        if self.checksum_threads is not None and self.checksum_threads < 1:
-            raise ConfigurationError(
-                f"checksum_threads must be at least 1 (or None), got {self.checksum_threads}"
-            )
-        if self.retries < 0 or self.retry_backoff < 0:
-            raise ConfigurationError("retries and retry_backoff must not be negative")
-        if self.deadline is not None and not self.deadline > 0:
-            raise ConfigurationError(f"deadline must be positive seconds, got {self.deadline}")
-        if self.when_busy not in ("wait", "skip"):
-            raise ConfigurationError(f"when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
-
-
-@dataclass
-class SnapshotStats:
-    """Where the time of one snapshot went (seconds)."""
-
-    step: int
-    bytes: int
-    shards: int
-    snapshot_s: float = 0.0
-    guard_s: float = 0.0
-    capture_s: float | None = None
-    reached_s: dict[str, float] = field(default_factory=dict)
-
-
-class Flight:
-    """A snapshot on its way through the tiers."""
-
-    def __init__(
-        self, manifest: Manifest, refs: Sequence[TensorRef], tier_names: Sequence[str]
-    ) -> None:
-        self.manifest = manifest
-        self.refs = refs
-        n = len(manifest.shards)
-        self.states = [ShardState.CAPTURED] * n
-        self.crcs: list[int] = [0] * n
-        self.blocks: list[Block | None] = [None] * n
-        self.captured_count = 0
-        self.checksummed_count = 0
-        self.persisted = [0] * len(tier_names)
-        self.failed_from: int | None = None  # first stage index that failed (0 = capture)
-        self.errors: list[Exception] = []
-        self.t_submit = time.perf_counter()
-        self.stats = SnapshotStats(step=manifest.step, bytes=manifest.tensor_bytes, shards=n)
-        # per durable tier: its begin(), running beside the capture; True once it succeeded
-        self.begun: list[asyncio.Task[bool]] = []
-        # a host-only chain: the blocks this snapshot keeps, held until it commits or fails,
-        # and whether it is finished (its blocks are given back in step order)
-        self.kept: list[Block] = []
-        self.finished = False
-        self.captured: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.reached: dict[str, concurrent.futures.Future[None]] = {
-            name: concurrent.futures.Future() for name in tier_names
-        }
-        self.done = asyncio.Event()
-        self.reported = False
-        self.recorded = False
-        # distributed mode: this rank's outcome per stage, then the ranks' agreement
-        self.local_ok = [False] * len(tier_names)
-        self.settled = asyncio.Event()
-        self.coordinated = [asyncio.Event() for _ in tier_names]
-
-    @property
-    def step(self) -> int:
-        return self.manifest.step
-
-
 class Engine:
     """See the module docstring. Built by the Checkpointer; not public."""
 
-    def __init__(self, tiers: Sequence[Tier], options: EngineOptions) -> None:
+    def __init__(self, tiers: Sequence[Tier], options: CheckpointerOptions) -> None:
         tiers = list(tiers)
         if not tiers:
             raise ConfigurationError("a Checkpointer needs at least one tier")
@@ -190,12 +102,14 @@ class Engine:
             self.arena: HostArena = self.staging.arena
         else:
             self.arena = HostArena(options.staging_bytes)
-        if self.arena.capacity < options.layout.shard_size:
+        # the shard layout: the defaults of shard_size and pack_bytes depend on the arena
+        self.layout: LayoutOptions = options.layout(self.arena.capacity)
+        if self.arena.capacity < self.layout.shard_size:
             raise ConfigurationError(
                 f"the host arena ({self.arena.capacity} bytes) is smaller than one shard "
-                f"({options.layout.shard_size} bytes); raise capacity_bytes or lower shard_size"
+                f"({self.layout.shard_size} bytes); raise capacity_bytes or lower shard_size"
             )
-        self.loop = EngineLoop(use_uvloop=options.use_uvloop)
+        self.loop = EngineLoop(use_uvloop=options.use_uvloop)  # started by open()
         self.capture: CaptureBackend = _default_capture(options)
         self.checksums = ChecksumPool(options.checksum_threads)
         self.flights: dict[int, Flight] = {}
@@ -234,12 +148,10 @@ class Engine:
             self.rank, self.world_size = context
             self._check_distributed()
             for t in self.tiers:
-                t.rank, t.world_size = self.rank, self.world_size
+                t.bind(self.rank, self.world_size)
             # a peer may legitimately spend a tier operation's every attempt between two
             # collectives (rank 0's commit_global on ZarrTier, say): wait that long for it
-            o = self.options
-            per_call = o.deadline or 300.0
-            timeout = per_call * (1 + o.retries) + o.retry_backoff * 2 ** (o.retries + 1)
+            timeout = self.options.retry_window()
             self.coordinator = await loop.run_in_executor(
                 None, Coordinator, self.rank, self.world_size, len(self.durable), timeout
             )
@@ -377,41 +289,8 @@ class Engine:
     async def _guarded(
         self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
     ) -> T:
-        """Run a tier operation under the deadline, retrying transient failures with
-        exponential back-off, and translating whatever is not yet a lazyckpt error."""
-        name = self.stage_names[stage]
-        attempts = 1 + (self.options.retries if retry else 0)
-        delay = self.options.retry_backoff
-        for attempt in range(1, attempts + 1):
-            try:
-                return await self._once(name, what, call)
-            except (TierBrokenError, DeadlineExceededError) as exc:
-                if attempt == attempts:
-                    raise
-                log.info(
-                    "%s on %s failed (attempt %d of %d), retrying in %.2fs: %s",
-                    what, name, attempt, attempts, delay, exc, extra={"tier": name},
-                )
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _once(self, name: str, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        try:
-            if self.options.deadline is None:
-                return await call()
-            async with asyncio.timeout(self.options.deadline):
-                return await call()
-        except TimeoutError as exc:
-            raise DeadlineExceededError(
-                f"tier {name!r}: {what} took longer than the {self.options.deadline}s deadline"
-            ) from exc
-        except LazyCkptError:
-            raise
-        except OSError as exc:
-            raise TierBrokenError(f"{what}: {exc}", tier=name) from exc
-        except Exception as exc:
-            raise TierBrokenError(f"{what}: unexpected {exc!r}", tier=name) from exc
+        """Run a tier operation of a stage through :func:`call_tier`, under the options."""
+        return await call_tier(self.stage_names[stage], what, call, self.options, retry=retry)
 
     def _fail(self, flight: Flight, stage: int, exc: Exception) -> None:
         if flight.failed_from is None or stage < flight.failed_from:
@@ -599,22 +478,24 @@ class Engine:
         self.arena.release(block)
 
     async def _refetch(self, flight: Flight, shard: ShardMeta, stage: int) -> Block:
+        """Read an evicted shard back from the tier of ``stage`` into a new block, verified
+        (``_fetch``), under that tier's deadline and retries."""
         tier = self.durable[stage - 1]
         block = await self.arena.allocate(shard.length)
+
+        async def read(source: Tier, out: memoryview) -> None:
+            what = f"read shard {shard.index}"
+            await self._guarded(stage, what, partial(source.read_shard, flight.manifest, shard, out))
+
         try:
-            out = block.memoryview()
-            await self._guarded(
-                stage,
-                f"read shard {shard.index}",
-                partial(tier.read_shard, flight.manifest, shard, out),
+            await read_copy(
+                flight.manifest,
+                shard,
+                tier,
+                block.memoryview(),
+                checksum=self.checksums.checksum_bytes,
+                read=read,
             )
-            loop = asyncio.get_running_loop()
-            crc = await loop.run_in_executor(None, crc32c.crc32c, block.memoryview())
-            if crc != shard.crc32c:
-                raise CorruptionError(
-                    f"shard {shard.index} of step {flight.step} read back from tier "
-                    f"{tier.name!r} does not match its checksum"
-                )
         except BaseException:
             self.arena.release(block)
             raise
@@ -923,7 +804,7 @@ class Engine:
         }
 
 
-def _default_capture(options: EngineOptions) -> CaptureBackend:
+def _default_capture(options: CheckpointerOptions) -> CaptureBackend:
     if torch.cuda.is_available():
         return CudaCapture(cpu_threads=options.capture_threads)
     return CpuCapture(options.capture_threads)

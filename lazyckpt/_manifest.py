@@ -140,6 +140,35 @@ class TensorMeta:
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 
+    # What a segment's ``start:stop`` counts, by mode, is defined here and nowhere else:
+    # whole rows along dimension 0 for ``rows``, flat elements for ``flat``, and for a
+    # ``pack`` the elements of the whole tensor (always ``0:numel``).
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes per index of a segment's ``start:stop``: a row (``rows``), else an element."""
+        if self.mode == "rows":
+            return self.itemsize * math.prod(self.shape[1:])
+        return self.itemsize
+
+    def piece_shape(self, start: int, stop: int) -> tuple[int, ...]:
+        """The shape of the piece ``start:stop`` of this tensor."""
+        if self.mode == "rows":
+            return (stop - start, *self.shape[1:])
+        if self.mode == "flat":
+            return (stop - start,)
+        return self.shape
+
+    def piece_of(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The piece ``start:stop`` of ``tensor`` (this tensor, or one of its shape), as a
+        view where ``tensor`` is contiguous (a flat piece of a non-contiguous tensor is a
+        copy: write only into contiguous tensors)."""
+        if self.mode == "rows":
+            return tensor[start:stop]
+        if self.mode == "flat":
+            return tensor.reshape(-1)[start:stop]
+        return tensor
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -164,10 +193,6 @@ class ShardMeta:
     crc32c: int | None = None
 
 
-# id(tensors tuple) -> (the tuple, its tensor bytes); the tuple is kept so the id stays its own
-_TENSOR_BYTES: dict[int, tuple[tuple[TensorMeta, ...], int]] = {}
-
-
 @dataclass(frozen=True)
 class Manifest:
     """Everything needed to find, check and rebuild one snapshot (of one rank)."""
@@ -185,18 +210,9 @@ class Manifest:
 
     @property
     def tensor_bytes(self) -> int:
-        """Bytes of tensor data (without alignment padding or aliases)."""
-        # snapshots of an unchanged state share one tensors tuple (the cached plan), so the
-        # sum over every tensor is taken once per plan rather than once per snapshot()
-        tensors = self.tensors
-        hit = _TENSOR_BYTES.get(id(tensors))
-        if hit is not None and hit[0] is tensors:
-            return hit[1]
-        total = sum(t.nbytes for t in tensors if t.alias_of is None)
-        if len(_TENSOR_BYTES) >= 16:
-            _TENSOR_BYTES.clear()
-        _TENSOR_BYTES[id(tensors)] = (tensors, total)
-        return total
+        """Bytes of tensor data (without alignment padding or aliases). O(tensors): a
+        caller asking for it per snapshot of an unchanged state keeps it with its plan."""
+        return sum(t.nbytes for t in self.tensors if t.alias_of is None)
 
     def with_checksums(self, crcs: Sequence[int]) -> Manifest:
         """The same manifest with every shard's crc32c filled in."""
@@ -207,15 +223,41 @@ class Manifest:
 
     def segment_shape(self, seg: Segment) -> tuple[int, ...]:
         """The shape of the tensor piece a segment holds."""
-        meta = self.tensors[seg.tensor]
-        if meta.mode == "pack":
-            return meta.shape
-        if meta.mode == "rows":
-            return (seg.stop - seg.start, *meta.shape[1:])
-        return (seg.stop - seg.start,)
+        return self.tensors[seg.tensor].piece_shape(seg.start, seg.stop)
 
     def segment_nbytes(self, seg: Segment) -> int:
+        """The bytes of the tensor piece a segment holds."""
         return math.prod(self.segment_shape(seg)) * self.tensors[seg.tensor].itemsize
+
+    def segment_span(self, seg: Segment) -> tuple[int, int]:
+        """Where a segment's bytes sit inside its whole tensor: ``(byte offset, length)``."""
+        return seg.start * self.tensors[seg.tensor].unit_bytes, self.segment_nbytes(seg)
+
+    def tensor_part(self, seg: Segment, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of ``tensor`` (the segment's whole tensor, or one of its shape) that the
+        segment holds; see :meth:`TensorMeta.piece_of`."""
+        return self.tensors[seg.tensor].piece_of(tensor, seg.start, seg.stop)
+
+    def shard_part(self, seg: Segment, shard: torch.Tensor) -> torch.Tensor:
+        """The segment's bytes inside its shard's bytes (a uint8 tensor of the shard's
+        length), as a view of the tensor's dtype and the piece's shape."""
+        meta = self.tensors[seg.tensor]
+        piece = shard[seg.offset : seg.offset + self.segment_nbytes(seg)]
+        return piece.view(meta.torch_dtype).view(meta.piece_shape(seg.start, seg.stop))
+
+    def segment_gaps(self, shard: ShardMeta) -> list[tuple[int, int]]:
+        """Byte ranges of ``shard`` that no segment covers (pack alignment, the tail): a
+        writer zeroes them so that every byte of a shard is defined."""
+        spans = sorted((seg.offset, seg.offset + self.segment_nbytes(seg)) for seg in shard.segments)
+        gaps: list[tuple[int, int]] = []
+        cursor = 0
+        for lo, hi in spans:
+            if lo > cursor:
+                gaps.append((cursor, lo))
+            cursor = max(cursor, hi)
+        if cursor < shard.length:
+            gaps.append((cursor, shard.length))
+        return gaps
 
     def format_version(self) -> int:
         """The oldest format version that can express this manifest."""
@@ -411,19 +453,16 @@ def _decode_manifest(doc: Any, raw: bytes | None = None) -> Manifest:
             t.writer is not None and (t.writer >= manifest.world_size or t.writer == manifest.rank)
         ):
             raise CorruptionError(f"tensor {t.key!r}: bad replica writer {t.writer!r}")
-    # bytes per unit of a segment's start:stop, per tensor (a pack segment holds the whole
-    # tensor): the same as Manifest.segment_nbytes, without its per-call lookups
+    # bytes per unit of a segment's start:stop, per tensor, looked up once per tensor (a
+    # pack segment holds the whole tensor): Manifest.segment_nbytes without its per-call cost
     units: dict[int, int] = {}
     for s in manifest.shards:
         for g in s.segments:
             unit = units.get(g.tensor)
             if unit is None:
                 meta = manifest.tensors[g.tensor]
-                unit = meta.itemsize
-                if meta.mode == "pack":
-                    unit = -meta.nbytes  # negative: the segment's size does not vary
-                elif meta.mode == "rows":
-                    unit *= math.prod(meta.shape[1:])
+                # negative for a pack: the segment's size does not depend on start:stop
+                unit = -meta.nbytes if meta.mode == "pack" else meta.unit_bytes
                 units[g.tensor] = unit
             nbytes = -unit if unit < 0 else (g.stop - g.start) * unit
             if g.offset + nbytes > s.length:

@@ -64,6 +64,7 @@ from ._errors import CorruptionError, UnsupportedStateError
 __all__ = [
     "INLINE_ARRAY_BYTES",
     "DataclassValue",
+    "KeyCache",
     "Stateful",
     "StatefulValue",
     "TensorRef",
@@ -190,41 +191,53 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
-# Child paths of string keys that passed _check_key, by (parent path, key). A model's state
-# has the same keys every step, so after the first snapshot() the per-key checks, escaping
-# and formatting become one dict lookup. Bounded: cleared when it grows past _CHILD_MAX.
-_CHILD: dict[tuple[str, str | int], str] = {}
-# room for the keys of a state of some 250,000 tensors (a mixture-of-experts model's and its
-# unflattened optimizer state's); past the bound every snapshot() would clear and refill
-# the caches, paying the full per-key checks again (measured: 100,000 tensors under a
-# bound of 65,536 cost twice as much per tensor as 60,000)
-_CHILD_MAX = 1 << 18
+class KeyCache:
+    """What walking a state's keys produces, kept from one walk to the next.
 
+    A model's state has the same keys every step. With a cache held across walks (the
+    Checkpointer keeps one), the per-key checks, escaping and formatting of a child path
+    become one dict lookup after the first ``snapshot()``, and the tree's
+    ``[key, {"$tensor": i}]`` items are shared between snapshots (trees are never modified
+    after the walk), which keeps ``snapshot()`` from allocating, and the garbage collector
+    from scanning, a new list and dict per tensor per snapshot.
 
-def _child_path(parent: str, k: str | int) -> str:
-    found = _CHILD.get((parent, k))
-    if found is not None:
-        return found
-    if type(k) is str:
-        _check_key(k, parent)
-        name = _escape(k)
-    else:  # an int (never a bool: the callers test the type): digits need no escaping
-        name = str(k)
-    child = f"{parent}/{name}" if parent else name
-    if len(_CHILD) >= _CHILD_MAX:
-        _CHILD.clear()
-    _CHILD[(parent, k)] = child
-    return child
+    Args:
+        limit: entries kept per table before it is cleared and refilled. The default has
+            room for the keys of a state of some 250,000 tensors; a state with more keys
+            than the limit pays the full per-key cost on every walk (see
+            ``docs/benchmarks.md``).
+    """
 
+    def __init__(self, limit: int = 1 << 18) -> None:
+        self.limit = limit
+        self._child: dict[tuple[str, str | int], str] = {}
+        # per (parent path, key) of a tensor: [its path, its index in the last walk, the
+        # tree's item for that index]; one lookup in a table of every tensor of the state
+        # gives both (at 100,000 tensors each lookup is a cache miss)
+        self.items: dict[tuple[str, str | int], list[Any]] = {}
 
-# Per (parent path, key) of a tensor: [its path, its index in the last walk, the tree's
-# ``[key, {"$tensor": index}]`` item for that index]. The items are shared between
-# snapshots of the same state: trees are never modified after the walk, and a model's keys
-# and tensor order repeat every step. Sharing them keeps snapshot() from allocating (and the
-# garbage collector from scanning) a new list and dict per tensor per snapshot, and one
-# lookup in a table of every tensor of the state replaces two (at 100,000 tensors each is a
-# cache miss). Bounded like _CHILD.
-_ITEMS: dict[tuple[str, str | int], list[Any]] = {}
+    def child_path(self, parent: str, k: str | int) -> str:
+        """The path of key ``k`` (a str, checked, or an int) under ``parent``."""
+        found = self._child.get((parent, k))
+        if found is not None:
+            return found
+        if type(k) is str:
+            _check_key(k, parent)
+            name = _escape(k)
+        else:  # an int (never a bool: the callers test the type): digits need no escaping
+            name = str(k)
+        child = f"{parent}/{name}" if parent else name
+        if len(self._child) >= self.limit:
+            self._child.clear()
+        self._child[(parent, k)] = child
+        return child
+
+    def tensor_entry(self, parent: str, k: str | int) -> list[Any]:
+        """A new ``items`` entry for the tensor under key ``k`` of ``parent``."""
+        if len(self.items) >= self.limit:
+            self.items.clear()
+        entry = self.items[(parent, k)] = [self.child_path(parent, k), -1, None]
+        return entry
 
 
 _Parameter = torch.nn.Parameter
@@ -232,9 +245,10 @@ _STRIDED = torch.strided
 
 
 class _Walker:
-    def __init__(self, allow_pickle: bool, lenient: bool = False) -> None:
+    def __init__(self, allow_pickle: bool, lenient: bool, keys: KeyCache) -> None:
         self.allow_pickle = allow_pickle
         self.lenient = lenient
+        self.keys = keys
         self.tensors: list[TensorRef] = []
         self._by_ptr: dict[int, int | list[int]] = {}  # data pointer -> first tensor(s) there
         self._active: set[int] = set()
@@ -363,22 +377,21 @@ class _Walker:
             return {"$tuple": [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]}
         items = []
         encode, add_tensor = self.encode, self._add_tensor
+        child_path, table = self.keys.child_path, self.keys.items
         for k, v in obj.items():
             kind = type(k)
             if kind is str or kind is int:  # the usual cases: the key encodes as itself
                 if isinstance(v, torch.Tensor):
-                    # one lookup for the path and the tree's item (see _ITEMS)
-                    entry = _ITEMS.get((key, k))
+                    # one lookup for the path and the tree's item (see KeyCache.items)
+                    entry = table.get((key, k))
                     if entry is None:
-                        if len(_ITEMS) >= _CHILD_MAX:
-                            _ITEMS.clear()
-                        entry = _ITEMS[(key, k)] = [_child_path(key, k), -1, None]
+                        entry = self.keys.tensor_entry(key, k)
                     index = add_tensor(v, entry[0])
                     if entry[1] != index:  # a new list: earlier trees keep theirs as they were
                         entry[1], entry[2] = index, [k, {"$tensor": index}]
                     items.append(entry[2])
                 else:
-                    items.append([k, encode(v, _child_path(key, k))])
+                    items.append([k, encode(v, child_path(key, k))])
                 continue
             if not (k is None or type(k) in (bool, int, float, tuple)):
                 raise UnsupportedStateError(
@@ -426,20 +439,22 @@ class _Walker:
 
 
 def walk_state(
-    state: Any, *, allow_pickle: bool, lenient: bool = False
+    state: Any, *, allow_pickle: bool, lenient: bool = False, keys: KeyCache | None = None
 ) -> tuple[JSON, list[TensorRef]]:
     """Walk ``state`` into its tagged-JSON tree and its tensors (see the module docstring).
 
     ``lenient`` (used to find the tensors of an ``into=`` target) skips values it cannot
-    encode instead of refusing them. A tensor seen a second time under another key (same storage, offset, shape, strides and
-    dtype: a tied weight) becomes an alias of the first and is stored once.
+    encode instead of refusing them. A tensor seen a second time under another key (same
+    storage, offset, shape, strides and dtype: a tied weight) becomes an alias of the first
+    and is stored once. ``keys``: a :class:`KeyCache` kept across walks of the same state
+    (none: a fresh one, for this walk only).
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
             f"the state must be a mapping (a dict of tensors, Stateful objects and plain "
             f"values), got {type(state).__qualname__}"
         )
-    walker = _Walker(allow_pickle, lenient)
+    walker = _Walker(allow_pickle, lenient, KeyCache() if keys is None else keys)
     tree = walker.encode(state, "")
     return tree, walker.tensors
 
@@ -603,8 +618,12 @@ _OBJECT_TAGS: dict[str, Any] = {
 def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
     """The tags of plain values, containers and tensors."""
     if tag == "$dict":
-        decode = dec.decode
-        return {k if type(k) is str else _hashable(decode(k)): decode(v) for k, v in value}
+        keys = [dec.decode(k) for k, _ in value]
+        values = [dec.decode(v) for _, v in value]
+        try:
+            return dict(zip(keys, values, strict=True))
+        except TypeError as exc:  # keys are encoded hashable: only damage makes one a list
+            raise CorruptionError(f"a mapping key of the value tree is not hashable: {exc}") from exc
     if tag == "$tuple":
         return tuple(dec.decode(v) for v in value)
     if tag == "$stateful":
@@ -639,10 +658,3 @@ def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
             )
         return pickle.loads(base64.b64decode(value, validate=True))
     raise CorruptionError(f"unknown tag {tag!r} in value tree")
-
-
-def _hashable(key: Any) -> Any:
-    if isinstance(key, list):  # defensive: keys are encoded as tuples, never lists
-        raise CorruptionError("a mapping key decoded to a list")
-    return key
-

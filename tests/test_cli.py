@@ -415,6 +415,21 @@ def test_progress_is_plain_lines_when_not_on_a_terminal(snapshots: Any, run: Run
     assert err == ""
 
 
+def test_ls_and_gc_count_snapshots_on_stderr(snapshots: Any, run: Run, tmp_path: Path) -> None:
+    root, _ = snapshots
+    code, out, err = run("ls", root)
+    assert code == EXIT_OK
+    assert err.startswith(f"ls: done, {len(STEPS)} snapshots in ")
+    assert "snapshots" not in out
+    dst = tmp_path / "dst"
+    assert run("copy", root, dst, "-q")[0] == EXIT_OK
+    code, out, err = run("gc", dst, "--keep-last", "1")
+    assert code == EXIT_OK
+    assert out.splitlines() == ["deleted step 0", "deleted step 5"]
+    assert err.startswith("gc: done, 2 snapshots in ")
+    assert run("ls", dst, "-q")[2] == ""
+
+
 # -- export --------------------------------------------------------------------------------------
 
 
@@ -735,6 +750,19 @@ def test_progress_redraws_one_line_on_a_terminal() -> None:
     assert "[" in frames[0] and " 25%" in frames[0] and "250 B of 1000 B" in frames[0]
     assert " 50%" in frames[1] and "0:02 left" in frames[1]
     assert frames[-1].startswith("verify: done, 500 B in 2.0 s")
+
+
+def test_progress_counts_things_in_their_unit() -> None:
+    stream, clock = io.StringIO(), Clock()
+    with Progress(40, "ls", unit="snapshots", stream=stream, clock=clock, interval=5.0) as bar:
+        clock.now = 5.0
+        bar.advance(10)
+        clock.now = 8.0
+        bar.advance(30)
+    assert stream.getvalue().splitlines() == [
+        "ls: 25%, 10 of 40 snapshots, 2.0 snapshots/s, 0:15 left",
+        "ls: done, 40 snapshots in 8.0 s (5.0 snapshots/s)",
+    ]
 
 
 def test_progress_says_where_it_stopped() -> None:

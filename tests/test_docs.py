@@ -59,3 +59,15 @@ async def test_format_md_numpy_reader_of_columns(tmp_path: Path) -> None:
         os.chdir(cwd)
     assert scope["m"]["format_version"] == 4  # type: ignore[index]
     assert np.array_equal(np.asarray(scope["ln_bias"]), bias.numpy())
+
+
+def test_tiers_md_imports_the_whole_plugin_interface() -> None:
+    # a tier author sees everything from one import: the block in docs/tiers.md runs and
+    # names every public name of lazyckpt.tier
+    import lazyckpt.tier
+
+    block = snippet("tiers.md", "from lazyckpt.tier import")
+    scope: dict[str, object] = {}
+    exec(block, scope)
+    named = set(re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b", block.split("import", 1)[1]))
+    assert set(lazyckpt.tier.__all__) <= named, set(lazyckpt.tier.__all__) - named

@@ -38,12 +38,17 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from lazyckpt import (
+import aiofiles.os
+
+from lazyckpt import hooks
+from lazyckpt.tier import (
     ConfigurationError,
     CorruptionError,
     ForeignLocationError,
+    LazyCkptError,
     Manifest,
     ShardMeta,
     SnapshotNotFoundError,
@@ -51,8 +56,7 @@ from lazyckpt import (
     TierBrokenError,
     TierClosedError,
     TierLevel,
-    hooks,
-    translate_os_error,
+    backend_errors,
 )
 
 from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
@@ -106,6 +110,8 @@ class FileTier(Tier):
             writing is refused. A reader works beside a running writer.
     """
 
+    # the locations the command line opens with this tier: local paths (and file:// URLs)
+    url_schemes = ("file",)
     level = TierLevel.LOCAL
     default_name = "file"
 
@@ -169,20 +175,22 @@ class FileTier(Tier):
                 self._io_threads, thread_name_prefix=f"lazyckpt-{self.name}"
             )
         loop = asyncio.get_running_loop()
-        try:
+        with backend_errors(self.name, what):
             return await loop.run_in_executor(self._pool, fn, *args)  # type: ignore[arg-type]
-        except OSError as exc:
-            raise translate_os_error(exc, self.name, what) from exc
 
-    async def _read_small(self, what: str, path: Path) -> bytes:
+    async def _read_small(
+        self, what: str, path: Path, missing: Callable[[], LazyCkptError]
+    ) -> bytes:
         """A manifest, read with aiofiles (see :func:`read_small`): never behind the bulk
-        writes queued on this tier's pool."""
+        writes queued on this tier's pool. A missing file is ``missing()``, decided here,
+        before any other error is mapped."""
         if self._closed:
             raise TierClosedError("closed", tier=self.name)
-        try:
-            return await read_small(path)
-        except OSError as exc:
-            raise translate_os_error(exc, self.name, what) from exc
+        with backend_errors(self.name, what):
+            try:
+                return await read_small(path)
+            except FileNotFoundError:
+                raise missing() from None
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -483,19 +491,20 @@ class FileTier(Tier):
     # -- reading -----------------------------------------------------------------------------
 
     async def steps(self) -> list[int]:
-        result = await self._run(f"list {self.root}", self._steps_sync)
-        assert isinstance(result, list)
-        return result
-
-    def _steps_sync(self) -> list[int]:
-        if not self.root.exists():
-            return []
-        found = []
-        for entry in self.root.iterdir():
-            m = _STEP_DIR.match(entry.name)
-            if m and (entry / MANIFEST).exists():
-                found.append(int(m.group(1)))
-        return sorted(found)
+        """The step directories holding a manifest. A listing, with aiofiles like the
+        manifests: it never waits behind the writes queued on this tier's pool."""
+        if self._closed:
+            raise TierClosedError("closed", tier=self.name)
+        with backend_errors(self.name, f"list {self.root}"):
+            try:
+                names = await aiofiles.os.listdir(self.root)
+            except FileNotFoundError:
+                return []
+            steps = {int(m.group(1)): name for name in names if (m := _STEP_DIR.match(name))}
+            found = await asyncio.gather(
+                *(aiofiles.os.path.exists(self.root / name / MANIFEST) for name in steps.values())
+            )
+        return sorted(step for step, there in zip(steps, found, strict=True) if there)
 
     async def read_manifest(self, step: int) -> Manifest:
         return await self.read_rank_manifest(step, self.rank)
@@ -504,20 +513,19 @@ class FileTier(Tier):
         """Rank ``rank``'s manifest of a committed step (every rank's part lies in the same
         directory); a step written by a single process has one manifest, for any rank."""
         path = self._dir(step) / MANIFEST
-        try:
-            data = await self._read_small(f"read manifest {path}", path)
-        except TierBrokenError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
-                raise SnapshotNotFoundError(
-                    f"step {step} is not committed on {self.name!r}"
-                ) from None
-            raise
+        data = await self._read_small(
+            f"read manifest {path}",
+            path,
+            lambda: SnapshotNotFoundError(f"step {step} is not committed on {self.name!r}"),
+        )
         if b'"lazyckpt-commit"' in data[:64]:  # several ranks: read this rank's manifest
-            path = self._dir(step) / f"rank-{rank:05d}.json"
-            try:
-                data = await self._read_small(f"read manifest {path}", path)
-            except TierBrokenError as exc:
-                raise CorruptionError(f"{path} is missing from committed step {step}") from exc
+            part = self._dir(step) / f"rank-{rank:05d}.json"
+            data = await self._read_small(
+                f"read manifest {part}",
+                part,
+                lambda: CorruptionError(f"{part} is missing from committed step {step}"),
+            )
+            path = part
         manifest = Manifest.from_json(data, source=f"{self.name}:{path}")
         if manifest.step != step:
             raise CorruptionError(f"{path} holds step {manifest.step}, not {step}")
@@ -539,7 +547,7 @@ class FileTier(Tier):
         what = f"read shard {shard.index} from {path}"
         pool = self._reader()
         loop = asyncio.get_running_loop()
-        try:
+        with backend_errors(self.name, what):
             fd = await loop.run_in_executor(pool, _open_for_reading, path)
             starts = range(0, shard.length, self.piece_bytes)
             futures = [
@@ -549,13 +557,9 @@ class FileTier(Tier):
             results = await asyncio.gather(
                 *(asyncio.wrap_future(f) for f in futures), return_exceptions=True
             )
-        except OSError as exc:
-            raise translate_os_error(exc, self.name, what) from exc
-        for result in results:
-            if isinstance(result, OSError):
-                raise translate_os_error(result, self.name, what) from result
-            if isinstance(result, BaseException):
-                raise result
+            for result in results:  # every piece is done: the first failure is the answer
+                if isinstance(result, BaseException):
+                    raise result
 
     async def delete(self, step: int) -> None:
         self._writable("delete a snapshot")
