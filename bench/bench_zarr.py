@@ -297,7 +297,7 @@ async def raw_chunk_writes(arr: Any, data: np.ndarray[Any, Any], chunk: int) -> 
     INFLIGHT writes at once."""
     from zarr.core.buffer.cpu import Buffer
 
-    from tiers._zarr import _chunk_parts, _join
+    from tiers._zarr_codec import _chunk_parts, _join
 
     raw = memoryview(data).cast("B")
     step = chunk * data.itemsize

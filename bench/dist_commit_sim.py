@@ -50,13 +50,13 @@ async def simulate(world: int, root: Path) -> dict[str, Any]:
     """Commit one step as ``world`` logical ranks; return times and file counts."""
     tree, refs = walk_state(rank_state(), allow_pickle=False)
     tier = FileTier(root)
-    tier.world_size = world
+    tier.bind(0, world)
     await tier.open()
     page = memoryview(bytearray(1 << 16))
     manifest_bytes = 0
     t0 = time.perf_counter()
     for rank in range(world):
-        tier.rank = rank
+        tier.bind(rank, world)
         manifest = plan_layout(1, tree, refs, LayoutOptions(), rank=rank, world_size=world)
         manifest = manifest.with_checksums([0] * len(manifest.shards))
         await tier.begin(manifest)

@@ -24,21 +24,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import fnmatch
+import hashlib
 import os
 import re
 import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import crc32c
 import torch
 
 from ._arena import Block
 from ._errors import ConfigurationError, ImmutabilityViolationError
-from ._manifest import Manifest, ShardMeta
+from ._manifest import Manifest, Segment, ShardMeta
+from ._options import CheckpointerOptions, compile_patterns
 from ._tree import TensorRef
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "EagerPolicy",
     "VerifyingCapture",
     "block_checksum",
+    "block_digest",
     "check_versions",
     "default_checksum_threads",
     "optimizer_pointers",
@@ -83,16 +85,10 @@ class BatchCapture(Protocol):
     async def capture_batch(self, jobs: Sequence[CaptureJob]) -> None: ...
 
 
-def source_view(job: CaptureJob, tensor_index: int, start: int, stop: int) -> torch.Tensor:
+def source_view(job: CaptureJob, seg: Segment) -> torch.Tensor:
     """The part of a source tensor that a segment covers (a view; no copy except for the
     rare non-contiguous tensor split flat)."""
-    meta = job.manifest.tensors[tensor_index]
-    src = job.refs[tensor_index].tensor.detach()
-    if meta.mode == "rows":
-        return src[start:stop]
-    if meta.mode == "flat":
-        return src.reshape(-1)[start:stop]
-    return src
+    return job.manifest.tensor_part(seg, job.refs[seg.tensor].tensor.detach())
 
 
 def check_versions(job: CaptureJob) -> None:
@@ -119,26 +115,20 @@ def copy_into_blocks(jobs: Sequence[CaptureJob]) -> None:
     The copies are issued as one ``torch._foreach_copy_`` call and the zeroing as one
     ``torch._foreach_zero_``, not one ``copy_`` per segment: each torch call releases the
     interpreter lock and takes it back, and every take is a hand-over that a launch-bound
-    training thread waits for (a pack shard holds dozens of small tensors).
+    training thread may wait for (a pack shard holds dozens of small tensors).
     """
     dests: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     gaps: list[torch.Tensor] = []
     for job in jobs:
         dest = job.block.tensor()
-        cursor = 0
+        for lo, hi in job.manifest.segment_gaps(job.shard):  # so that every byte is defined
+            gaps.append(dest[lo:hi])
         for seg in job.shard.segments:
-            if seg.offset > cursor:  # alignment gap in a pack: zero it so the bytes are defined
-                gaps.append(dest[cursor : seg.offset])
-            meta = job.manifest.tensors[seg.tensor]
-            shape = job.manifest.segment_shape(seg)
-            nbytes = job.manifest.segment_nbytes(seg)
-            if nbytes:
-                dests.append(dest[seg.offset : seg.offset + nbytes].view(meta.torch_dtype).view(shape))
-                srcs.append(source_view(job, seg.tensor, seg.start, seg.stop))
-            cursor = seg.offset + nbytes
-        if cursor < job.shard.length:
-            gaps.append(dest[cursor : job.shard.length])
+            part = job.manifest.shard_part(seg, dest)
+            if part.numel():
+                dests.append(part)
+                srcs.append(source_view(job, seg))
     if gaps:
         torch._foreach_zero_(gaps)
     if dests:
@@ -153,13 +143,33 @@ def block_checksum(block: Block) -> int:
     return crc32c.crc32c(block.memoryview())
 
 
-def _checksums(blocks: list[Block]) -> list[int]:
-    return [block_checksum(b) for b in blocks]
+def block_digest(block: Block) -> str:
+    """The 128-bit content digest of a block's bytes, as incremental snapshots compare them:
+    SHA-256 truncated to 128 bits, in hex. Blocking; ``hashlib`` releases the GIL.
+
+    A cryptographic hash, not the crc32c: two different shards have the same crc32c with
+    probability 2**-32, far too likely over millions of shard comparisons, and a crc32c
+    collision is easy to make on purpose. SHA-256 is chosen over BLAKE2b for speed: x86
+    (SHA-NI) and ARMv8 cores hash it in hardware, about twice BLAKE2b's rate here.
+    """
+    return hashlib.sha256(block.memoryview()).hexdigest()[:32]
+
+
+def block_checksums(block: Block, digest: bool) -> tuple[int, str | None]:
+    """The crc32c of a block and, with ``digest``, its :func:`block_digest`. Blocking."""
+    crc = block_checksum(block)
+    return crc, block_digest(block) if digest else None
+
+
+def blocks_checksums(blocks: Sequence[Block], digests: Sequence[bool]) -> list[tuple[int, str | None]]:
+    """:func:`block_checksums` of several blocks, one after the other. Blocking."""
+    return [block_checksums(b, d) for b, d in zip(blocks, digests, strict=True)]
 
 
 def default_checksum_threads() -> int:
-    """Half the cores, at most 8: crc32c runs at 10-20 GB/s per core, and a PCIe 5
-    device-to-host copy moves about 50 GB/s; the other half is left to training and I/O."""
+    """Half the cores, at most 8: a few cores' crc32c keep up with a device-to-host link
+    (the figures: ``docs/design.md``, "Figures behind choices in the code"); the other half
+    is left to training and I/O."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
@@ -203,11 +213,27 @@ class ChecksumPool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, block_checksum, block)
 
-    async def checksum_many(self, blocks: Sequence[Block]) -> list[int]:
-        """The crc32c of each block, in one job on one pool thread (one wake-up of the
-        engine loop for the lot; each crc32c call releases the interpreter lock)."""
+    async def checksums(self, block: Block, digest: bool) -> tuple[int, str | None]:
+        """The crc32c of the shard in ``block`` and, with ``digest``, its content digest
+        (incremental snapshots), in one pass of the pool. Cancelling it as :meth:`checksum`."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _checksums, list(blocks))
+        return await loop.run_in_executor(self._pool, block_checksums, block, digest)
+
+    async def checksums_many(
+        self, blocks: Sequence[Block], digests: Sequence[bool]
+    ) -> list[tuple[int, str | None]]:
+        """:meth:`checksums` of several blocks in one job on one pool thread: one wake-up
+        of the engine loop for the lot (each crc32c and digest releases the interpreter
+        lock). Cancelling it as :meth:`checksum`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, blocks_checksums, list(blocks), list(digests))
+
+    async def checksum_bytes(self, data: memoryview) -> int:
+        """The crc32c of ``data`` (a shard read back from a tier, for a restore or a
+        re-fetch): the ``Checksum`` the readers of ``_fetch`` take. Cancelling it leaves
+        the thread to finish reading; it writes nothing."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, crc32c.crc32c, data)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -278,21 +304,6 @@ def optimizer_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     return found
 
 
-def _compile(patterns: Sequence[str], what: str) -> re.Pattern[str] | None:
-    if (
-        isinstance(patterns, str)
-        or not isinstance(patterns, Sequence)
-        or not all(isinstance(p, str) for p in patterns)
-    ):
-        raise ConfigurationError(
-            f"{what} must be a list or tuple of key patterns such as 'model/ema.*', "
-            f"got {patterns!r}"
-        )
-    if not patterns:
-        return None
-    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
-
-
 @dataclass(frozen=True)
 class EagerPolicy:
     """Which tensors ``snapshot()`` copies at once instead of leaving them to the capture.
@@ -310,14 +321,14 @@ class EagerPolicy:
     _lazy_re: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if type(self.eager_bytes) is not int or self.eager_bytes < 0:
-            raise ConfigurationError(
-                f"eager_bytes must be a non-negative int (bytes), got {self.eager_bytes!r}"
-            )
-        object.__setattr__(self, "_eager_re", _compile(self.eager, "eager"))
-        object.__setattr__(self, "_lazy_re", _compile(self.lazy, "lazy"))
-        object.__setattr__(self, "eager", tuple(self.eager))
-        object.__setattr__(self, "lazy", tuple(self.lazy))
+        # the options' own checks, so these three are validated in one place
+        checked = CheckpointerOptions(
+            eager_bytes=self.eager_bytes, eager=cast(Any, self.eager), lazy=cast(Any, self.lazy)
+        )
+        object.__setattr__(self, "eager", checked.eager)
+        object.__setattr__(self, "lazy", checked.lazy)
+        object.__setattr__(self, "_eager_re", compile_patterns(checked.eager, "eager"))
+        object.__setattr__(self, "_lazy_re", compile_patterns(checked.lazy, "lazy"))
 
     def choose(self, refs: Sequence[TensorRef], owned: set[int]) -> list[int]:
         """Indexes of the refs to copy now (aliases follow the tensor they alias)."""
@@ -357,6 +368,7 @@ def copy_eager(refs: Sequence[TensorRef], chosen: Sequence[int]) -> int:
         else:
             ref.tensor = ref.tensor.detach().clone()
             copied += ref.tensor.numel() * ref.tensor.element_size()
+        ref.copied = True
         try:
             ref.version = ref.tensor._version
         except (RuntimeError, AttributeError):  # a copy made in inference mode has none
@@ -446,6 +458,6 @@ def _segment_crcs(job: CaptureJob) -> list[int]:
 def _first_changed(seen: Sequence[tuple[CaptureJob, int, int]]) -> str | None:
     for job, k, crc in seen:
         seg = job.shard.segments[k]
-        if _crc_of(source_view(job, seg.tensor, seg.start, seg.stop)) != crc:
+        if _crc_of(source_view(job, seg)) != crc:
             return job.refs[seg.tensor].key
     return None

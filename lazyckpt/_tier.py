@@ -2,7 +2,9 @@
 
 A tier stores snapshots, shard by shard, and makes one visible only when it is committed.
 The required surface is small (see :class:`Tier`); optional abilities are separate
-protocols checked with ``isinstance`` (:class:`SupportsStaging`).
+protocols checked with ``isinstance`` (:class:`SupportsStaging` and the others). Backend
+errors are mapped once, at the tier boundary, by :func:`backend_errors`. The public face of
+this module is :mod:`lazyckpt.tier`.
 
 Built-in tiers live in the top-level package ``tiers`` and register through the entry-point
 group ``lazyckpt.tiers``, exactly as a third-party tier does; ``lazyckpt`` never imports
@@ -13,15 +15,17 @@ the conformance suite it should pass.
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from ._errors import (
     ConfigurationError,
+    LazyCkptError,
     TierBrokenError,
     TierError,
     TierFullError,
@@ -38,9 +42,11 @@ __all__ = [
     "SupportsBlockRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
+    "SupportsReferences",
     "SupportsStaging",
     "Tier",
     "available_tiers",
+    "backend_errors",
     "load_tier",
     "translate_os_error",
 ]
@@ -106,11 +112,22 @@ class Tier(abc.ABC):
       stored bytes. It need not verify checksums (the engine does) but must raise
       :class:`~lazyckpt.CorruptionError` for missing or short data.
     - ``delete(step)`` un-commits first, then removes the data.
-    - Backend failures are raised as :class:`~lazyckpt.TierError` subclasses.
+    - Backend failures are raised as :class:`~lazyckpt.TierError` subclasses, mapped once
+      at the tier's boundary (:func:`backend_errors`).
+
+    Which rank of how many ranks the instance serves is handed in with :meth:`bind` (by a
+    distributed Checkpointer, before :meth:`open`) and read as :attr:`rank` and
+    :attr:`world_size`; an instance never bound serves rank 0 of 1.
     """
 
     level: TierLevel = TierLevel.LOCAL
     default_name: str = "tier"
+    #: The URL schemes whose locations the ``lazyckpt`` command opens with this tier, given
+    #: the whole URL (``("s3",)``); ``"file"`` means local paths, given as the path.
+    url_schemes: ClassVar[tuple[str, ...]] = ()
+    #: A file at the root of a local directory that says the directory is in this tier's
+    #: format (``"zarr.json"``): the command opens such a directory with this tier.
+    location_marker: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -125,14 +142,47 @@ class Tier(abc.ABC):
                 f"tier name must be 1-64 letters, digits, '_', '.' or '-', got {self.name!r}"
             )
         self.retention = Retention(keep_last=keep_last, keep_every=keep_every)
-        # Which rank of how many this tier instance serves; set by a distributed
-        # Checkpointer before open(). Tiers that store per-rank data read these.
-        self.rank = 0
-        self.world_size = 1
+        self._rank = 0
+        self._world_size = 1
         self.readonly = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+    @property
+    def rank(self) -> int:
+        """The rank this instance serves (0 unless :meth:`bind` said otherwise)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks write through instances of this tier (1 unless bound)."""
+        return self._world_size
+
+    def bind(self, rank: int, world_size: int) -> None:
+        """Hand the tier the rank it serves and the number of ranks.
+
+        A distributed Checkpointer calls this on every tier of its chain before
+        :meth:`open`, once it knows its place in the job; a tier used by a single process is
+        never bound and serves rank 0 of 1. A tier that keeps per-rank state (a lock per
+        rank, a data file per rank) reads :attr:`rank` and :attr:`world_size` from
+        :meth:`open` on. A tier that wraps another forwards the call (override it, and call
+        ``super().bind``).
+
+        Raises:
+            ConfigurationError: ``rank`` is not in ``range(world_size)``.
+        """
+        if (
+            type(rank) is not int
+            or type(world_size) is not int
+            or world_size < 1
+            or not 0 <= rank < world_size
+        ):
+            raise ConfigurationError(
+                f"tier {self.name!r}: rank {rank!r} of world size {world_size!r} is not a "
+                "rank of the job; bind(rank, world_size) needs 0 <= rank < world_size"
+            )
+        self._rank, self._world_size = rank, world_size
 
     async def open(self) -> None:  # noqa: B027 - optional hook, empty on purpose
         """Prepare the backend (I/O allowed); called once by the Checkpointer.
@@ -212,7 +262,16 @@ class SupportsGlobalCommit(Protocol):
     ``read_manifest(step)`` then returns this tier's rank's manifest (``tier.rank``).
     """
 
-    async def commit_global(self, step: int, world_size: int) -> None: ...
+    async def commit_global(self, step: int, world_size: int) -> None:
+        """Make ``step``, written by ``world_size`` ranks, visible to :meth:`Tier.steps`.
+
+        Called on every rank, once every rank's :meth:`Tier.commit` returned and the ranks
+        agreed; rank 0 (``self.rank == 0``) writes the commit record, the others may check
+        what they can see of it and write nothing. Idempotent: a retry, or a call for a
+        step already committed, succeeds. With ``world_size == 1`` :meth:`Tier.commit`
+        already published the step, and this does nothing.
+        """
+        ...
 
 
 @runtime_checkable
@@ -241,13 +300,95 @@ class SupportsRankManifests(Protocol):
     async def read_rank_manifest(self, step: int, rank: int) -> Manifest: ...
 
 
-def translate_os_error(exc: OSError, tier: str, what: str) -> TierError:
-    """An ``OSError`` as the lazyckpt error a user can act on (cause kept by the caller); the
-    message names the file the call failed on, when the error says which."""
+@runtime_checkable
+class SupportsReferences(Protocol):
+    """A tier that stores incremental snapshots (``Checkpointer(incremental=True)``).
+
+    A shard of a committed manifest may name, in ``ShardMeta.stored_in``, an earlier step
+    whose stored data holds its bytes, at the same place (the same stream offset, in the
+    data of the same rank). The engine then calls no ``put_shard`` for it. Such a tier:
+
+    - ``read_shard(m, shard, out)`` reads a referring shard from the step it names;
+    - ``delete(step)`` un-commits the step but keeps its stored data while any committed
+      step refers to it;
+    - :meth:`collect` removes the stored data that nothing needs any more;
+    - ``begin(m)`` refuses a step number whose stored data a committed step refers to;
+    - ``open()`` sweeps what a crash left only when no committed step refers to it.
+    """
+
+    async def collect(self, keep: Collection[int] = ()) -> list[int]:
+        """Remove the stored data of every step that is not committed, that no committed
+        step refers to, and that is not in ``keep`` (the steps snapshots still in flight
+        refer to); the steps whose data was removed, ascending."""
+        ...
+
+
+def translate_os_error(
+    exc: OSError, tier: str, what: str, *, scrub: Callable[[str], str] | None = None
+) -> TierError:
+    """An ``OSError`` as the lazyckpt error a user can act on (cause kept by the caller): out
+    of space or quota is :class:`~lazyckpt.TierFullError`, anything else
+    :class:`~lazyckpt.TierBrokenError`. The message names the file the call failed on, when
+    the error says which; ``scrub`` removes secrets from the text."""
     where = f" ({exc.filename})" if exc.filename is not None else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return TierFullError(f"{what}: out of space ({exc.strerror}){where}", tier=tier)
-    return TierBrokenError(f"{what}: {exc.strerror or exc}{where}", tier=tier)
+        text = f"out of space ({exc.strerror}){where}"
+        return TierFullError(f"{what}: {scrub(text) if scrub else text}", tier=tier)
+    if exc.strerror is None:  # an OSError subclass of a client library: its own words
+        return TierBrokenError(f"{what}: {_summary(exc, scrub)}{where}", tier=tier)
+    text = f"{exc.strerror}{where}"
+    return TierBrokenError(f"{what}: {scrub(text) if scrub else text}", tier=tier)
+
+
+def _summary(exc: BaseException, scrub: Callable[[str], str] | None) -> str:
+    """The type and first line of an exception, at most 300 characters, scrubbed."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    if scrub is not None:
+        text = scrub(text)
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def backend_errors(
+    tier: str,
+    what: str,
+    *,
+    scrub: Callable[[str], str] | None = None,
+    refine: Callable[[Exception], LazyCkptError | None] | None = None,
+) -> Iterator[None]:
+    """Map what a backend raises inside the block into lazyckpt's error tree, once.
+
+    The one translation of backend errors, used at the boundary of every tier (and by the
+    engine around each tier call, for a tier that does not use it)::
+
+        with backend_errors(self.name, f"write shard {shard.index} to {path}"):
+            await self._write(...)
+
+    Errors of lazyckpt's tree pass unchanged (a tier raises those on purpose); ``refine``,
+    when given, maps what only this backend can recognise (a missing bucket, say); an
+    ``OSError`` goes through :func:`translate_os_error` (out of space is
+    :class:`~lazyckpt.TierFullError`); any other ``Exception`` becomes
+    :class:`~lazyckpt.TierBrokenError` naming its type and first line. The original is the
+    new error's ``__cause__`` (``refine``'s errors carry none: they say all there is).
+    Cancellation and other ``BaseException`` pass untouched.
+
+    Args:
+        tier: the tier's name, which the error carries.
+        what: the operation, for the message (``"read manifest /ckpt/step-.../x.json"``).
+        scrub: removes secrets (credentials in a URL, say) from backend messages.
+        refine: a backend's own mapping, tried first; ``None`` from it means "not mine".
+    """
+    try:
+        yield
+    except LazyCkptError:
+        raise
+    except Exception as exc:
+        refined = refine(exc) if refine is not None else None
+        if refined is not None:
+            raise refined from None
+        if isinstance(exc, OSError):
+            raise translate_os_error(exc, tier, what, scrub=scrub) from exc
+        raise TierBrokenError(f"{what}: {_summary(exc, scrub)}", tier=tier) from exc
 
 
 def available_tiers() -> dict[str, Callable[..., Tier]]:

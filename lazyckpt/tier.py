@@ -2,21 +2,29 @@
 
 A tier is a subclass of :class:`Tier` with a handful of coroutines (``begin``,
 ``put_shard``, ``commit``, ``abort``, ``steps``, ``read_manifest``, ``read_shard``,
-``delete``). What a tier can do beyond that is said by the optional capability protocols,
-checked with ``isinstance``:
+``delete``, ``aclose``; ``open`` is optional). What a tier can do beyond that is said by
+the optional capability protocols, checked with ``isinstance``:
 
 - :class:`SupportsStaging`: the tier is the host arena the captures land in (the first
   tier of a chain, as :class:`tiers.HostMemoryTier`).
-- :class:`SupportsGlobalCommit`: several ranks write one store; rank 0 commits the step
-  once every rank's part is durable (``commit_global``).
+- :class:`SupportsGlobalCommit`: several ranks write one store; once every rank's part is
+  durable, ``commit_global(step, world_size)`` makes the step visible (rank 0 writes the
+  commit record).
 - :class:`SupportsRankManifests`: any rank's part of a step can be read (resharding
   restores, replicated tensors written once).
+- :class:`SupportsReferences`: the tier stores incremental snapshots (a shard may be read
+  from an earlier step's stored data; retention keeps what committed steps refer to).
 - :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
   copying it out (restores into device tensors straight from pinned memory).
+- :class:`SupportsRendezvous`: the tier meets the same tier on the other ranks once, after
+  ``open()``, through an ``all_gather`` over lazyckpt's own process group (a tier keeping
+  replicas on peers: :func:`node_identity`, :func:`place_replicas`).
 
-Backend errors are translated once, at the tier's boundary, into the errors below
-(:func:`translate_os_error` for ``OSError``), with the original as ``__cause__``. A tier
-registers under the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier` and
+Which rank a tier instance serves is handed in with :meth:`Tier.bind` before ``open()``.
+Backend errors are mapped once, at the tier's boundary, by :func:`backend_errors` (which
+uses :func:`translate_os_error` for ``OSError``), with the original as ``__cause__``.
+Retention (``keep_last``, ``keep_every``) is :class:`Retention`. A tier registers under
+the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier` and
 :func:`available_tiers` find it. The conformance suite every tier should pass is
 ``lazyckpt.testing.TierTests``. See docs/tiers.md.
 """
@@ -28,6 +36,7 @@ from ._errors import (
     ConfigurationError,
     CorruptionError,
     ForeignLocationError,
+    LazyCkptError,
     LocationInUseError,
     SnapshotNotFoundError,
     TierBrokenError,
@@ -35,7 +44,8 @@ from ._errors import (
     TierError,
     TierFullError,
 )
-from ._manifest import Manifest, Segment, ShardMeta, TensorMeta
+from ._manifest import FORMAT_VERSION, Manifest, Segment, ShardMeta, TensorMeta
+from ._replica import NODE_ENV, Exchange, SupportsRendezvous, node_identity, place_replicas
 from ._state import TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,
@@ -43,20 +53,26 @@ from ._tier import (
     SupportsBlockRead,
     SupportsGlobalCommit,
     SupportsRankManifests,
+    SupportsReferences,
     SupportsStaging,
     Tier,
     available_tiers,
+    backend_errors,
     load_tier,
     translate_os_error,
 )
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "FORMAT_VERSION",
+    "NODE_ENV",
     "Block",
     "ConfigurationError",
     "CorruptionError",
+    "Exchange",
     "ForeignLocationError",
     "HostArena",
+    "LazyCkptError",
     "LocationInUseError",
     "Manifest",
     "Retention",
@@ -66,6 +82,8 @@ __all__ = [
     "SupportsBlockRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
+    "SupportsReferences",
+    "SupportsRendezvous",
     "SupportsStaging",
     "TensorMeta",
     "Tier",
@@ -75,6 +93,9 @@ __all__ = [
     "TierFullError",
     "TierLevel",
     "available_tiers",
+    "backend_errors",
     "load_tier",
+    "node_identity",
+    "place_replicas",
     "translate_os_error",
 ]

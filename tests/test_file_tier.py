@@ -97,7 +97,7 @@ async def test_ranks_racing_to_remove_a_shared_step_get_a_warning_not_an_error(
         monkeypatch.setattr(file_module, "remove_tree", racing)
         with pytest.raises(TierError):
             await tier.delete(1)  # one process: a real failure, reported
-        tier.world_size = 2  # several ranks sharing the directory: another may be removing it
+        tier.bind(0, 2)  # several ranks sharing the directory: another may be removing it
         await tier.delete(2)
         assert "left files behind" in caplog.text
 
@@ -284,7 +284,7 @@ async def test_one_lock_per_rank(tmp_path: Path, kind: str) -> None:
 
     def rank(r: int) -> lazyckpt.Tier:
         tier = lazyckpt.load_tier(kind, str(tmp_path))
-        tier.rank, tier.world_size = r, 2
+        tier.bind(r, 2)
         return tier
 
     ranks = [rank(0), rank(1)]
@@ -364,7 +364,7 @@ async def test_every_rank_refuses_a_foreign_location_unchanged(
     before = tree(tmp_path)
     hidden = sorted(os.listdir(tmp_path))
     tier = lazyckpt.load_tier(kind, str(tmp_path))
-    tier.rank, tier.world_size = 1, 2
+    tier.bind(1, 2)
     with pytest.raises(lazyckpt.ForeignLocationError):
         await tier.open()
     await tier.aclose()

@@ -48,11 +48,32 @@ def test_public_names_are_exported() -> None:
 # inside functions and under TYPE_CHECKING count like any other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc"),
-    ("_dist", "_tree", "_manifest", "_state", "_arena", "_metrics", "_distributed"),
-    ("_tier", "tier"),
-    ("_capture", "_cuda", "_restore", "_dtensor", "_engine", "_preemption"),
-    ("", "_checkpointer", "timeline"),
-    ("cli", "integrations", "testing"),
+    ("_dist", "_tree", "_manifest", "_options", "_state", "_arena", "_metrics", "_distributed"),
+    ("_tier", "tier", "_replica"),
+    ("_fetch", "_tiercall", "_optimizers", "_flight", "_capture", "_cuda", "_restore", "_dtensor",
+     "_engine", "_preemption"),
+    ("", "_handle", "_core", "_checkpointer", "timeline"),
+    (
+        "cli",
+        "cli._status",
+        "cli._console",
+        "cli._location",
+        "cli._read",
+        "cli._formats",
+        "cli._inspect",
+        "cli._verify",
+        "cli._export",
+        "cli._write",
+        "cli._import",
+        "cli._copy",
+        "cli._gc",
+        "cli._timeline",
+        "cli._main",
+        "cli.__main__",
+        "__main__",
+        "integrations",
+        "testing",
+    ),
 )
 
 
@@ -152,7 +173,7 @@ def test_the_plugin_interface_is_one_module() -> None:
         if isinstance(node, ast.ClassDef) and node.name.startswith("Supports")
     } - {"SupportsMetrics"}  # what export_prometheus takes: a Checkpointer's ability, not a tier's
     assert defined >= {"SupportsStaging", "SupportsGlobalCommit", "SupportsRankManifests", "SupportsBlockRead"}
-    needed = defined | {"Tier", "Retention", "translate_os_error", "load_tier", "TierBrokenError"}
+    needed = defined | {"Tier", "Retention", "backend_errors", "translate_os_error", "load_tier", "TierBrokenError"}
     assert needed <= set(lazyckpt.tier.__all__)
     for name in lazyckpt.tier.__all__:
         assert hasattr(lazyckpt.tier, name), name

@@ -50,7 +50,7 @@ def rank_tiers(make: Callable[[], ZarrTier], world: int) -> list[ZarrTier]:
     tiers = []
     for rank in range(world):
         tier = make()
-        tier.rank, tier.world_size = rank, world
+        tier.bind(rank, world)
         tiers.append(tier)
     return tiers
 
@@ -295,7 +295,7 @@ async def test_ranks_must_share_the_location(tmp_path: Path) -> None:
     rank0 = ZarrTier(tmp_path / "a")
     rank1 = ZarrTier(tmp_path / "b")  # a location of its own: rank 0 never sees it
     for rank, t in enumerate((rank0, rank1)):
-        t.rank, t.world_size = rank, 2
+        t.bind(rank, 2)
         await t.open()
     with pytest.raises(ConfigurationError, match="same shared location"):
         await write_part(rank1, 1)

@@ -32,7 +32,8 @@ from lazyckpt import (
 )
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, HostMemoryTier, ZarrTier
-from tiers._zarr import node_name, plan_snapshot, storage_dtype
+from tiers._zarr_dtype import storage_dtype
+from tiers._zarr_layout import node_name, plan_snapshot
 
 __all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 

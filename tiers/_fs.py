@@ -16,7 +16,7 @@ from typing import Any
 
 import aiofiles
 
-from lazyckpt import LocationInUseError
+from lazyckpt.tier import LocationInUseError
 
 __all__ = ["WriterLock", "fsync_dir", "lock_name", "read_small", "remove_tree"]
 

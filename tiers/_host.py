@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from lazyckpt import (
+from lazyckpt.tier import (
     Block,
     CorruptionError,
     HostArena,
@@ -15,6 +15,7 @@ from lazyckpt import (
     TierClosedError,
     TierFullError,
     TierLevel,
+    backend_errors,
 )
 
 __all__ = ["HostMemoryTier"]
@@ -117,7 +118,8 @@ class HostMemoryTier(Tier):
         self._check_open()
         block = await self._arena.allocate(len(data))
         try:
-            await asyncio.to_thread(block.memoryview().__setitem__, slice(None), data)
+            with backend_errors(self.name, f"copy shard {shard.index} of step {manifest.step}"):
+                await asyncio.to_thread(block.memoryview().__setitem__, slice(None), data)
         except BaseException:
             self._arena.release(block)
             raise
@@ -164,10 +166,11 @@ class HostMemoryTier(Tier):
             if block.length != len(out):
                 raise CorruptionError(f"shard {shard.index}: host copy has the wrong length")
             src = block.memoryview()
-            if len(out) > (1 << 20):
-                await asyncio.to_thread(out.__setitem__, slice(None), src)
-            else:
-                out[:] = src
+            with backend_errors(self.name, f"read shard {shard.index} of step {manifest.step}"):
+                if len(out) > (1 << 20):
+                    await asyncio.to_thread(out.__setitem__, slice(None), src)
+                else:
+                    out[:] = src
         finally:
             self._arena.release(block)
 

@@ -7,8 +7,10 @@ may be empty or missing, and so may the rename. This store does the same dance a
 durable: the data is ``fdatasync``'d before the rename, the directory is ``fsync``'d after
 it, and every directory created on the way is made durable in its parent.
 
-All blocking file work runs on the store's own bounded thread pool, so the store is safe to
-await from any event loop (it holds no loop-bound state) and to pickle.
+Blocking file work runs on the store's own bounded thread pool, so the store is safe to
+await from any event loop (it holds no loop-bound state) and to pickle. Listing a directory
+and asking whether an object exists are small and go through aiofiles instead (the event
+loop's executor): they never wait behind the chunk writes queued on that pool.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, MutableSet, Seque
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+import aiofiles.os
 from zarr.abc.store import (
     ByteRequest,
     OffsetByteRequest,
@@ -254,8 +257,9 @@ class DurableLocalStore(Store):
         return await self._run(self._read_into, key, out)
 
     async def exists(self, key: str) -> bool:
-        """Whether ``key`` holds an object."""
-        return await self._run(lambda: self._path(key).is_file())
+        """Whether ``key`` holds an object (with aiofiles: off the bulk pool)."""
+        found: bool = await aiofiles.os.path.isfile(self._path(key))
+        return found
 
     async def getsize(self, key: str) -> int:
         """The size of ``key`` in bytes; ``FileNotFoundError`` if it is absent."""
@@ -462,13 +466,6 @@ class DurableLocalStore(Store):
                     found.append(key)
         return found
 
-    def _children(self, prefix: str) -> list[str]:
-        directory = self._prefix_dir(prefix)
-        try:
-            return [e.name for e in os.scandir(directory) if not _TEMP.match(e.name)]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
     async def list(self) -> AsyncIterator[str]:
         """Every key in the store."""
         for key in await self._run(self._keys, ""):
@@ -480,6 +477,12 @@ class DurableLocalStore(Store):
             yield key
 
     async def list_dir(self, prefix: str) -> AsyncIterator[str]:
-        """The names (objects and sub-prefixes) directly under ``prefix``."""
-        for name in await self._run(self._children, prefix):
-            yield name
+        """The names (objects and sub-prefixes) directly under ``prefix``: one directory
+        read, with aiofiles (off the bulk pool, like the metadata reads)."""
+        try:
+            names = await aiofiles.os.listdir(self._prefix_dir(prefix))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:
+            if not _TEMP.match(name):
+                yield name

@@ -51,6 +51,11 @@ class FaultyTier(Tier):
     def describe(self) -> dict[str, Any]:
         return self.inner.describe()
 
+    def bind(self, rank: int, world_size: int) -> None:
+        """Bind this wrapper and the tier it wraps (which is the one that stores per rank)."""
+        super().bind(rank, world_size)
+        self.inner.bind(rank, world_size)
+
     # -- configuring faults ----------------------------------------------------------------
 
     def fail_next(self, method: str, times: int = 1, *, full: bool = False) -> None:
