@@ -264,6 +264,7 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
             ckpt = SyncCheckpointer(
                 [HostMemoryTier(2 * nbytes + 64 * MiB), FileTier(root / "lazy", keep_last=2)],
                 deadline=None,
+                shard_size=cfg.get("shard_mib", 16) * MiB,
             ).open()
         elif method == "plain":
             plain = _Plain(state, root, 16 * MiB)
@@ -400,6 +401,7 @@ def main() -> None:
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
     parser.add_argument("--every", default="1,8", help="snapshot every N iterations (list)")
     parser.add_argument("--mib", type=int, default=256, help="snapshot size (up to 1024)")
+    parser.add_argument("--shard-mib", type=int, default=16, help="lazyckpt's shard_size")
     parser.add_argument("--ops", type=int, default=400, help="tiny torch ops per iteration")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured time per run")
     parser.add_argument("--warmup", type=int, default=20)
@@ -429,6 +431,7 @@ def main() -> None:
             "placement": placement,
             "every": int(every),
             "mib": args.mib,
+            "shard_mib": args.shard_mib,
             "ops": args.ops,
             "seconds": args.seconds,
             "warmup": args.warmup,
@@ -488,6 +491,7 @@ def _line(row: dict[str, Any]) -> str:
         f"iter {row['iter_ms']['median']:6.2f} ms  {gib:5.2f} GiB  "
         f"blocked {row['train_blocked_ms'] / max(1, row['iters']):6.3f} ms/iter  "
         f"cpu {row['roles']['training thread']['cpu_ms'] / max(1, row['iters']):6.3f} ms/iter  "
+        f"runqueue {row['roles']['training thread']['runqueue_ms'] / max(1, row['iters']):6.3f} ms/iter  "
         f"others' cpu {per(p['cpu_ms'])} ms/GiB  "
         f"training thread's waits {per(row['roles']['training thread']['wakeups'])} /GiB  "
         f"load {row['loadavg'][:1]}"
