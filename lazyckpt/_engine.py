@@ -8,7 +8,10 @@ A snapshot in flight is a :class:`Flight`. Its coroutine starts each durable tie
 ``begin`` for the step, allocates an arena block for each shard in order (waiting when the
 arena is full: backpressure), and starts one *shard flow* per shard: capture into the
 block, then checksum the block, then put on each durable tier in chain order, each put
-waiting for that tier's ``begin``. Nothing a tier does is in front of a capture, so a slow
+waiting for that tier's ``begin``. On the CPU path the shards that got their blocks together
+(up to 64 MiB) are copied in one pool job and checksummed in one more before their flows
+go on to the tiers: fewer takes of the interpreter lock per GiB, which is what a
+launch-bound training thread pays for (see "The host stage" below). Nothing a tier does is in front of a capture, so a slow
 or hung tier holds training up only once the arena is full. The snapshot counts as
 captured (the guard lets the optimizer go on) once every shard is copied; the checksums
 follow on a pool of their own, off that critical path, and no tier sees a shard before its
@@ -439,7 +442,7 @@ class Engine:
             if await flight.begun[k - 1]:
                 await self._commit(flight, k)
 
-    # -- the host stage: capture, then checksum --------------------------------------------
+    # -- the host stage: capture, then checksum ---------------------------------------------
     #
     # A launch-bound training thread pays for every time a pipeline thread takes the
     # interpreter lock, far more than for the bytes' work, which releases it (docs/design.md,
