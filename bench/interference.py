@@ -161,6 +161,13 @@ def _account() -> dict[str, dict[str, int]]:
     return roles
 
 
+def _affinity(tid: int) -> set[int]:
+    try:
+        return os.sched_getaffinity(tid)
+    except OSError:  # the thread ended meanwhile
+        return set()
+
+
 def _pin_others(core: int) -> None:
     """Every thread but the training thread, and every child process, onto ``core``."""
     main = threading.main_thread().native_id
@@ -360,6 +367,13 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
             iters.append(time.perf_counter() - t0)
         wall = time.perf_counter() - t_begin
         after = _account()
+        # a check of the placement: threads other than the training thread allowed on its core
+        main_tid = threading.main_thread().native_id
+        strays = [
+            tid
+            for tid in list(_tasks()) + [t for c in _children() for t in _tasks(c)]
+            if tid != main_tid and TRAIN_CORE in _affinity(tid)
+        ]
         # the bytes streamed: every finished save, and the running one by the time it took
         in_flight = pending is not None and not is_done(pending)
         streamed = (saves - (1 if in_flight else 0)) * nbytes
@@ -395,6 +409,7 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
         "saves_started": saves,
         "streamed_gib": streamed / GiB,
         "train_blocked_ms": blocked_ms,
+        "threads_on_training_core": len(strays) if pinned else None,
         "roles": roles,
         "loadavg": loadavg(),
     }
