@@ -45,6 +45,7 @@ from ._metrics import (
     export_prometheus,
     install_log_context,
 )
+from ._options import CheckpointerOptions
 from ._preemption import DrainReport
 from ._restore import VerifyReport, strip_prefix
 from ._state import ShardState, TierLevel
@@ -69,6 +70,7 @@ __all__ = [
     "Block",
     "Checkpointer",
     "CheckpointerClosedError",
+    "CheckpointerOptions",
     "ConfigurationError",
     "CoordinationError",
     "CorruptionError",

@@ -24,21 +24,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import fnmatch
+import hashlib
 import os
 import re
 import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import crc32c
 import torch
 
 from ._arena import Block
 from ._errors import ConfigurationError, ImmutabilityViolationError
-from ._manifest import Manifest, ShardMeta
+from ._manifest import Manifest, Segment, ShardMeta
+from ._options import CheckpointerOptions, compile_patterns
 from ._tree import TensorRef
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "EagerPolicy",
     "VerifyingCapture",
     "block_checksum",
+    "block_digest",
     "check_versions",
     "default_checksum_threads",
     "optimizer_pointers",
@@ -73,16 +75,10 @@ class CaptureBackend(Protocol):
     def close(self) -> None: ...
 
 
-def source_view(job: CaptureJob, tensor_index: int, start: int, stop: int) -> torch.Tensor:
+def source_view(job: CaptureJob, seg: Segment) -> torch.Tensor:
     """The part of a source tensor that a segment covers (a view; no copy except for the
     rare non-contiguous tensor split flat)."""
-    meta = job.manifest.tensors[tensor_index]
-    src = job.refs[tensor_index].tensor.detach()
-    if meta.mode == "rows":
-        return src[start:stop]
-    if meta.mode == "flat":
-        return src.reshape(-1)[start:stop]
-    return src
+    return job.manifest.tensor_part(seg, job.refs[seg.tensor].tensor.detach())
 
 
 def check_versions(job: CaptureJob) -> None:
@@ -100,18 +96,10 @@ def copy_into_block(job: CaptureJob) -> None:
     """Copy every segment of the shard into its block and zero the bytes between them, then
     check the version counters. Blocking."""
     dest = job.block.tensor()
-    cursor = 0
+    for lo, hi in job.manifest.segment_gaps(job.shard):  # so that every byte is defined
+        dest[lo:hi].zero_()
     for seg in job.shard.segments:
-        if seg.offset > cursor:  # alignment gap in a pack: zero it so the bytes are defined
-            dest[cursor : seg.offset].zero_()
-        meta = job.manifest.tensors[seg.tensor]
-        shape = job.manifest.segment_shape(seg)
-        nbytes = job.manifest.segment_nbytes(seg)
-        src = source_view(job, seg.tensor, seg.start, seg.stop)
-        dest[seg.offset : seg.offset + nbytes].view(meta.torch_dtype).view(shape).copy_(src)
-        cursor = seg.offset + nbytes
-    if cursor < job.shard.length:
-        dest[cursor : job.shard.length].zero_()
+        job.manifest.shard_part(seg, dest).copy_(source_view(job, seg))
     check_versions(job)
 
 
@@ -121,9 +109,28 @@ def block_checksum(block: Block) -> int:
     return crc32c.crc32c(block.memoryview())
 
 
+def block_digest(block: Block) -> str:
+    """The 128-bit content digest of a block's bytes, as incremental snapshots compare them:
+    SHA-256 truncated to 128 bits, in hex. Blocking; ``hashlib`` releases the GIL.
+
+    A cryptographic hash, not the crc32c: two different shards have the same crc32c with
+    probability 2**-32, far too likely over millions of shard comparisons, and a crc32c
+    collision is easy to make on purpose. SHA-256 is chosen over BLAKE2b for speed: x86
+    (SHA-NI) and ARMv8 cores hash it in hardware, about twice BLAKE2b's rate here.
+    """
+    return hashlib.sha256(block.memoryview()).hexdigest()[:32]
+
+
+def block_checksums(block: Block, digest: bool) -> tuple[int, str | None]:
+    """The crc32c of a block and, with ``digest``, its :func:`block_digest`. Blocking."""
+    crc = block_checksum(block)
+    return crc, block_digest(block) if digest else None
+
+
 def default_checksum_threads() -> int:
-    """Half the cores, at most 8: crc32c runs at 10-20 GB/s per core, and a PCIe 5
-    device-to-host copy moves about 50 GB/s; the other half is left to training and I/O."""
+    """Half the cores, at most 8: a few cores' crc32c keep up with a device-to-host link
+    (the figures: ``docs/design.md``, "Figures behind choices in the code"); the other half
+    is left to training and I/O."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
@@ -166,6 +173,19 @@ class ChecksumPool:
         reading the block; it writes nothing."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, block_checksum, block)
+
+    async def checksums(self, block: Block, digest: bool) -> tuple[int, str | None]:
+        """The crc32c of the shard in ``block`` and, with ``digest``, its content digest
+        (incremental snapshots), in one pass of the pool. Cancelling it as :meth:`checksum`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, block_checksums, block, digest)
+
+    async def checksum_bytes(self, data: memoryview) -> int:
+        """The crc32c of ``data`` (a shard read back from a tier, for a restore or a
+        re-fetch): the ``Checksum`` the readers of ``_fetch`` take. Cancelling it leaves
+        the thread to finish reading; it writes nothing."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, crc32c.crc32c, data)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -231,21 +251,6 @@ def optimizer_pointers(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     return found
 
 
-def _compile(patterns: Sequence[str], what: str) -> re.Pattern[str] | None:
-    if (
-        isinstance(patterns, str)
-        or not isinstance(patterns, Sequence)
-        or not all(isinstance(p, str) for p in patterns)
-    ):
-        raise ConfigurationError(
-            f"{what} must be a list or tuple of key patterns such as 'model/ema.*', "
-            f"got {patterns!r}"
-        )
-    if not patterns:
-        return None
-    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
-
-
 @dataclass(frozen=True)
 class EagerPolicy:
     """Which tensors ``snapshot()`` copies at once instead of leaving them to the capture.
@@ -263,14 +268,14 @@ class EagerPolicy:
     _lazy_re: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if type(self.eager_bytes) is not int or self.eager_bytes < 0:
-            raise ConfigurationError(
-                f"eager_bytes must be a non-negative int (bytes), got {self.eager_bytes!r}"
-            )
-        object.__setattr__(self, "_eager_re", _compile(self.eager, "eager"))
-        object.__setattr__(self, "_lazy_re", _compile(self.lazy, "lazy"))
-        object.__setattr__(self, "eager", tuple(self.eager))
-        object.__setattr__(self, "lazy", tuple(self.lazy))
+        # the options' own checks, so these three are validated in one place
+        checked = CheckpointerOptions(
+            eager_bytes=self.eager_bytes, eager=cast(Any, self.eager), lazy=cast(Any, self.lazy)
+        )
+        object.__setattr__(self, "eager", checked.eager)
+        object.__setattr__(self, "lazy", checked.lazy)
+        object.__setattr__(self, "_eager_re", compile_patterns(checked.eager, "eager"))
+        object.__setattr__(self, "_lazy_re", compile_patterns(checked.lazy, "lazy"))
 
     def choose(self, refs: Sequence[TensorRef], owned: set[int]) -> list[int]:
         """Indexes of the refs to copy now (aliases follow the tensor they alias)."""
@@ -310,6 +315,7 @@ def copy_eager(refs: Sequence[TensorRef], chosen: Sequence[int]) -> int:
         else:
             ref.tensor = ref.tensor.detach().clone()
             copied += ref.tensor.numel() * ref.tensor.element_size()
+        ref.copied = True
         try:
             ref.version = ref.tensor._version
         except (RuntimeError, AttributeError):  # a copy made in inference mode has none
@@ -399,6 +405,6 @@ def _segment_crcs(job: CaptureJob) -> list[int]:
 def _first_changed(seen: Sequence[tuple[CaptureJob, int, int]]) -> str | None:
     for job, k, crc in seen:
         seg = job.shard.segments[k]
-        if _crc_of(source_view(job, seg.tensor, seg.start, seg.stop)) != crc:
+        if _crc_of(source_view(job, seg)) != crc:
             return job.refs[seg.tensor].key
     return None

@@ -54,16 +54,11 @@ from ._errors import (
     SnapshotNotFoundError,
     TierError,
     UnsupportedStateError,
+    first_error,
 )
-from ._manifest import Manifest, ShardMeta, TensorMeta
-from ._restore import (
-    _byte_view,
-    align_into,
-    apply_into,
-    committed_steps,
-    read_manifest,
-    read_verified,
-)
+from ._fetch import Checksum, byte_view, committed_steps, read_verified, thread_checksum
+from ._manifest import Manifest, TensorMeta
+from ._restore import align_into, apply_into, read_manifest
 from ._tier import SupportsRankManifests, Tier
 from ._tree import Stateful, TensorRef, decode_tree, walk_state
 
@@ -296,9 +291,11 @@ async def restore_resharded(
     map_location: torch.device | str | None,
     allow_pickle: bool,
     concurrency: int = 4,
+    checksum: Checksum = thread_checksum,
 ) -> Any:
     """Rebuild the state from ``base`` (a saved rank's manifest), reading each tensor's
-    overlapping parts from whichever saved ranks hold them (see the module docstring)."""
+    overlapping parts from whichever saved ranks hold them (see the module docstring);
+    ``checksum`` computes each shard's crc32c (the Checkpointer's checksum pool)."""
     if base.pickled and not allow_pickle:
         decode_tree(base.tree, [None] * len(base.tensors), allow_pickle=False)
     align_into(base, into, rename=False)  # the keys are checked before anything is read
@@ -355,17 +352,14 @@ async def restore_resharded(
             async with sem:
                 manifest = await _read_rank_manifest(readers, base.step, r)
             tiers = readers
-        await _fill_from(manifest, tiers, todo, sem, problems)
+        await _fill_from(manifest, tiers, todo, sem, problems, checksum)
 
     try:
         async with asyncio.TaskGroup() as tg:
             for r, todo in pieces.items():
                 tg.create_task(from_rank(r, todo))
     except ExceptionGroup as group:
-        first = group.exceptions[0]
-        while isinstance(first, ExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
+        raise first_error(group) from None
 
     out: list[torch.Tensor] = []
     for i, meta in enumerate(base.tensors):
@@ -393,6 +387,7 @@ async def _fill_from(
     todo: list[_Piece],
     sem: asyncio.Semaphore,
     problems: list[Exception],
+    checksum: Checksum,
 ) -> None:
     """Read the shards of ``manifest`` that hold the pieces, once each, and copy the
     pieces into their wanted tensors."""
@@ -431,17 +426,19 @@ async def _fill_from(
 
     async def one(s: int) -> None:
         shard = manifest.shards[s]
+        buffer = torch.empty(shard.length, dtype=torch.uint8)
         async with sem:
-            buffer = await _read_verified(manifest, shard, tiers, problems)
+            await read_verified(
+                manifest, shard, tiers, byte_view(buffer), checksum=checksum, problems=problems
+            )
         for piece, i, origin in by_shard[s]:
             meta = manifest.tensors[i]
             for seg in shard.segments:
                 if seg.tensor != i:
                     continue
-                data = buffer[seg.offset : seg.offset + manifest.segment_nbytes(seg)]
-                data = data.view(meta.torch_dtype).view(manifest.segment_shape(seg))
+                data = manifest.shard_part(seg, buffer)
                 if meta.mode == "flat":
-                    scratch_of[(id(piece), i)].reshape(-1)[seg.start : seg.stop].copy_(data)
+                    manifest.tensor_part(seg, scratch_of[(id(piece), i)]).copy_(data)
                     continue
                 if meta.mode == "rows":  # the segment holds rows start:stop of the chunk
                     row0 = origin[0][0] + seg.start
@@ -484,16 +481,3 @@ def _saved_box(manifest: Manifest, meta: TensorMeta, piece: _Piece) -> Box:
             "where the sharding says it is"
         )
     return box
-
-
-async def _read_verified(
-    manifest: Manifest, shard: ShardMeta, tiers: Sequence[Tier], problems: list[Exception]
-) -> torch.Tensor:
-    """One shard's bytes from the first tier with a copy that matches its checksum."""
-    buffer = torch.empty(shard.length, dtype=torch.uint8)
-    if await read_verified(manifest, shard, tiers, _byte_view(buffer), problems):
-        return buffer
-    raise CorruptionError(
-        f"step {manifest.step}: no tier holds a good copy of shard {shard.index} of rank "
-        f"{manifest.rank}; tried {[t.name for t in tiers]}: " + "; ".join(map(str, problems[-3:]))
-    )

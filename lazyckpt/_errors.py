@@ -51,6 +51,7 @@ __all__ = [
     "TierError",
     "TierFullError",
     "UnsupportedStateError",
+    "first_error",
 ]
 
 
@@ -230,3 +231,16 @@ class SnapshotFailedError(ExceptionGroup[Exception], LazyCkptError):
 
     def derive(self, excs: Sequence[Exception]) -> SnapshotFailedError:  # type: ignore[override]
         return SnapshotFailedError(self.message, excs, step=self.step, tiers=self.tiers)
+
+
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf error of an exception group (nested groups followed to their first
+    member): what a task group's failure reports, as ``raise first_error(group) from None``.
+
+    A task group raises every child's failure at once; the first is the one that failed
+    first, and the others are usually the cancellations or consequences it caused.
+    """
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first

@@ -39,45 +39,72 @@ def _new_loop(use_uvloop: bool | None) -> asyncio.AbstractEventLoop:
 
 
 class EngineLoop:
-    """An event loop running forever on a daemon thread until :meth:`stop`."""
+    """An event loop running forever on a daemon thread, from :meth:`start` until :meth:`stop`.
+
+    Building one starts nothing: the Checkpointer starts it in ``open()``, so a Checkpointer
+    that is built and never opened owns no thread.
+    """
 
     def __init__(self, *, use_uvloop: bool | None = None, name: str = "lazyckpt-engine") -> None:
-        self.loop = _new_loop(use_uvloop)
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._use_uvloop = use_uvloop
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop (:meth:`start` first)."""
+        if self._loop is None:
+            raise RuntimeError("the engine loop is not started")
+        return self._loop
+
+    def start(self) -> None:
+        """Start the loop's thread and wait until it runs (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = _new_loop(self._use_uvloop)
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(self._loop, ready), name=self._name, daemon=True
+        )
         self._thread.start()
-        self._ready.wait()
+        ready.wait()
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.call_soon(self._ready.set)
+    def _run(self, loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
         try:
-            self.loop.run_forever()
+            loop.run_forever()
         finally:
-            self._cancel_leftovers()
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
+            self._cancel_leftovers(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
-    def _cancel_leftovers(self) -> None:
+    @staticmethod
+    def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
         """Cancel and await whatever still runs when the loop stops (a Checkpointer stopped
         without draining: abandoned at exit, or its close interrupted), so that no task is
         destroyed pending and no task's error is printed when it is collected."""
-        tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
         if not tasks:
             return
         # what the loop would still report (a task given up below, an error nobody awaited)
         # goes to the log at debug level: the Checkpointer has said what was lost
-        self.loop.set_exception_handler(_quiet)
+        loop.set_exception_handler(_quiet)
         for task in tasks:
             task.cancel()
         # bounded: a cancelled flight still tries to abort its uncommitted files
-        self.loop.run_until_complete(asyncio.wait(tasks, timeout=_LEFTOVER_S))
+        loop.run_until_complete(asyncio.wait(tasks, timeout=_LEFTOVER_S))
         for task in tasks:
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved, so it is not reported when collected
 
     def in_loop_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        return self._thread is not None and threading.current_thread() is self._thread
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` on the engine loop; the future is safe to wait on from any thread."""
@@ -87,8 +114,9 @@ class EngineLoop:
         self.loop.call_soon_threadsafe(fn, *args)
 
     def stop(self) -> None:
-        """Stop the loop and join its thread (idempotent)."""
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        """Stop the loop and join its thread (idempotent; nothing to do if never started)."""
+        thread, loop = self._thread, self._loop
+        if thread is not None and loop is not None and thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
             if not self.in_loop_thread():
-                self._thread.join()
+                thread.join()

@@ -17,14 +17,14 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
 from ._errors import ConfigurationError
 
-__all__ = ["DrainReport", "PreemptionHandler", "check_signals"]
+__all__ = ["DrainReport", "PreemptionHandler"]
 
 log = logging.getLogger("lazyckpt")
 
@@ -73,28 +73,6 @@ class DrainReport:
 
 def _steps(found: dict[int, tuple[str, ...]]) -> str:
     return ", ".join(f"step {s} on {list(t)}" for s, t in sorted(found.items()))
-
-
-def check_signals(signals: Any, grace: Any) -> tuple[tuple[signal.Signals, ...], float]:
-    """Validate the ``preemption_signals`` and ``preemption_grace`` options."""
-    if signals is None:
-        signals = ()
-    if isinstance(signals, int) or not isinstance(signals, Iterable):
-        raise ConfigurationError(
-            f"preemption_signals must be a tuple of signals, e.g. (signal.SIGTERM,), got {signals!r}"
-        )
-    found: list[signal.Signals] = []
-    for s in signals:
-        try:
-            sig = signal.Signals(s)
-        except (ValueError, TypeError):
-            raise ConfigurationError(f"preemption_signals: {s!r} is not a signal") from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigurationError(f"preemption_signals: {sig.name} cannot be caught")
-        found.append(sig)
-    if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace > 0:
-        raise ConfigurationError(f"preemption_grace must be seconds > 0, got {grace!r}")
-    return tuple(dict.fromkeys(found)), float(grace)
 
 
 class PreemptionHandler:

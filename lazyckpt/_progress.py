@@ -1,4 +1,4 @@
-"""Progress of a long byte-moving operation, shown on a stream.
+"""Progress of a long operation (bytes moved, or things done), shown on a stream.
 
 On a terminal, :class:`Progress` redraws one line in place: a bar, the bytes done and due,
 the rate and the time left. Anywhere else (a log file, a CI console, a pipe) redrawing only
@@ -46,7 +46,8 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Counts bytes towards a total and shows how far along an operation is.
+    """Counts bytes (or things, with ``unit``) towards a total and shows how far along an
+    operation is.
 
     Use as a context manager; leaving it with an exception prints where it stopped::
 
@@ -58,6 +59,11 @@ class Progress:
     Args:
         total: the bytes the operation will move (0 is allowed: it finishes at once).
         label: what the operation is, shown at the start of every line.
+        unit: what is counted when it is not bytes, plural (``"snapshots"``): the numbers
+            are then shown as counts (``3 of 40 snapshots``).
+        summary: False prints the last line only when a progress line was shown before it
+            (the operation was long enough to need one) or the operation failed, so a quick
+            operation prints nothing.
         stream: where to write; ``None`` means ``sys.stderr`` at the time of the call,
             so that results on stdout stay clean for pipes.
         tty: draw a redrawn bar (True) or plain lines (False); ``None`` asks the stream.
@@ -72,6 +78,8 @@ class Progress:
         total: int,
         label: str,
         *,
+        unit: str | None = None,
+        summary: bool = True,
         stream: TextIO | None = None,
         tty: bool | None = None,
         enabled: bool = True,
@@ -81,6 +89,8 @@ class Progress:
     ) -> None:
         self.total = max(0, int(total))
         self.label = label
+        self.unit = unit
+        self.summary = summary
         self.done = 0
         self._stream = stream if stream is not None else sys.stderr
         if tty is None:
@@ -93,6 +103,7 @@ class Progress:
         self._start = clock()
         self._last_shown = self._start
         self._closed = False
+        self._shown = False
         self._width = 0
 
     def __enter__(self) -> Progress:
@@ -111,9 +122,9 @@ class Progress:
         """Seconds since the operation started."""
         return self._clock() - self._start
 
-    def advance(self, nbytes: int) -> None:
-        """Count ``nbytes`` more as done, and show it if it is time to."""
-        self.done += nbytes
+    def advance(self, amount: int) -> None:
+        """Count ``amount`` more bytes (or things) as done, and show it if it is time to."""
+        self.done += amount
         if not self.enabled or self._closed:
             return
         now = self._clock()
@@ -126,15 +137,15 @@ class Progress:
         if self._closed:
             return
         self._closed = True
-        if not self.enabled:
+        if not self.enabled or not (self.summary or self._shown or failed):
             return
         elapsed = self.elapsed
         if failed:
-            text = f"{self.label}: stopped at {self._fraction_text()}, {format_bytes(self.done)}"
+            text = f"{self.label}: stopped at {self._fraction_text()}, {self._amount(self.done)}"
         else:
             rate = self.done / elapsed if elapsed > 0 else None
-            speed = f" ({format_bytes(rate)}/s)" if rate is not None and self.done else ""
-            text = f"{self.label}: done, {format_bytes(self.done)} in {elapsed:.1f} s{speed}"
+            speed = f" ({self._rate(rate)})" if rate is not None and self.done else ""
+            text = f"{self.label}: done, {self._amount(self.done)} in {elapsed:.1f} s{speed}"
         if self.tty:
             # Pad over the bar so no tail of it survives after the shorter summary.
             self._stream.write("\r" + text.ljust(self._width) + "\n")
@@ -144,6 +155,12 @@ class Progress:
 
     # -- drawing -----------------------------------------------------------------------------
 
+    def _amount(self, n: int) -> str:
+        return format_bytes(n) if self.unit is None else f"{n} {self.unit}"
+
+    def _rate(self, rate: float) -> str:
+        return f"{format_bytes(rate)}/s" if self.unit is None else f"{rate:.1f} {self.unit}/s"
+
     def _fraction_text(self) -> str:
         if not self.total:
             return "100%"
@@ -152,13 +169,17 @@ class Progress:
     def _numbers(self, now: float) -> str:
         elapsed = now - self._start
         rate = self.done / elapsed if elapsed > 0 else 0.0
-        parts = [f"{format_bytes(self.done)} of {format_bytes(self.total)}"]
+        if self.unit is None:
+            parts = [f"{format_bytes(self.done)} of {format_bytes(self.total)}"]
+        else:
+            parts = [f"{self.done} of {self.total} {self.unit}"]
         if rate > 0:
-            parts.append(f"{format_bytes(rate)}/s")
+            parts.append(self._rate(rate))
             parts.append(f"{format_duration(max(0, self.total - self.done) / rate)} left")
         return ", ".join(parts)
 
     def _show(self, now: float) -> None:
+        self._shown = True
         if self.tty:
             self._draw_bar(now)
         else:

@@ -18,8 +18,8 @@ compiled model's snapshot restores into the plain model and back.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
-import math
 import random
 import warnings
 from collections.abc import (
@@ -34,20 +34,30 @@ from collections.abc import (
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-import crc32c
 import numpy as np
 import torch
 
+from ._cuda.restore import restore_into
 from ._errors import (
     ConfigurationError,
     CorruptionError,
     SnapshotNotFoundError,
     StateMismatchError,
     TierError,
+    first_error,
+)
+from ._fetch import (
+    Checksum,
+    byte_view,
+    committed_steps,
+    find_step,
+    read_copy,
+    read_verified,
+    shard_keys,
+    thread_checksum,
 )
 from ._gc import collector_paused
 from ._manifest import Manifest, ShardMeta, TensorMeta
-from ._state import RestoreEvent, RestoreState, advance_restore
 from ._tier import Tier
 from ._tree import (
     JSON,
@@ -102,37 +112,12 @@ def strip_prefix(state: Mapping[K, V], prefix: str) -> dict[K, V]:
     return out
 
 
-async def committed_steps(tiers: Sequence[Tier]) -> dict[str, list[int]]:
-    """Committed steps per tier; a tier that fails to list is left out (and logged)."""
-    results = await asyncio.gather(*(t.steps() for t in tiers), return_exceptions=True)
-    listing: dict[str, list[int]] = {}
-    for tier, result in zip(tiers, results, strict=True):
-        if isinstance(result, BaseException):
-            if not isinstance(result, Exception):
-                raise result
-            continue
-        listing[tier.name] = result
-    return listing
-
-
 async def read_manifest(
     tiers: Sequence[Tier], step: int | None
 ) -> tuple[Manifest, list[Tier], list[Exception]]:
     """The manifest of ``step`` (the latest committed if None), the tiers holding it (fastest
     first), and the problems met on the way."""
-    listing = await committed_steps(tiers)
-    everywhere = sorted({s for steps in listing.values() for s in steps})
-    if step is None:
-        if not everywhere:
-            raise SnapshotNotFoundError(
-                f"no committed snapshot on any tier ({[t.name for t in tiers]})"
-            )
-        step = everywhere[-1]
-    sources = [t for t in tiers if step in listing.get(t.name, [])]
-    if not sources:
-        raise SnapshotNotFoundError(
-            f"step {step} is not committed on any tier; committed steps: {everywhere[-10:]}"
-        )
+    step, sources = await find_step(tiers, step)
     problems: list[Exception] = []
     for tier in sources:
         try:
@@ -142,11 +127,6 @@ async def read_manifest(
     raise CorruptionError(
         f"step {step}: no tier holds a readable manifest: " + "; ".join(map(str, problems))
     )
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    array = t.detach().reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array).cast("B")  # type: ignore[arg-type]
 
 
 def _empty(meta: TensorMeta) -> torch.Tensor:
@@ -226,91 +206,42 @@ class _Destinations:
         return out
 
 
-async def read_verified(
-    manifest: Manifest,
-    shard: ShardMeta,
-    sources: Sequence[Tier],
-    out: memoryview,
-    problems: list[Exception],
-) -> bool:
-    """Fill ``out`` with the first copy of ``shard`` whose crc32c matches, trying the tiers
-    in order (the restore state table); False when no tier has one. Problems are appended."""
-    loop = asyncio.get_running_loop()
-    state = RestoreState.PENDING
-    for tier in sources:
-        state = advance_restore(state, RestoreEvent.START_READ)
-        try:
-            await tier.read_shard(manifest, shard, out)
-            crc = await loop.run_in_executor(None, crc32c.crc32c, out)
-            if crc != shard.crc32c:
-                raise CorruptionError(
-                    f"tier {tier.name!r}: shard {shard.index} of rank {manifest.rank}, step "
-                    f"{manifest.step} fails its checksum (holds {_keys(manifest, shard)})"
-                )
-        except (CorruptionError, TierError) as exc:
-            problems.append(exc)
-            state = advance_restore(state, RestoreEvent.BAD_COPY)
-            continue
-        advance_restore(state, RestoreEvent.CHECKSUM_OK)
-        return True
-    advance_restore(state, RestoreEvent.NO_MORE_TIERS)
-    return False
-
-
-def _segment_target(dest: torch.Tensor, meta: TensorMeta, start: int, stop: int) -> torch.Tensor:
-    if meta.mode == "rows":
-        return dest[start:stop]
-    if meta.mode == "flat":
-        return dest.reshape(-1)[start:stop]
-    return dest
-
-
 async def _restore_shard(
     manifest: Manifest,
     shard: ShardMeta,
     sources: Sequence[Tier],
     dests: _Destinations,
     problems: list[Exception],
+    checksum: Checksum,
 ) -> None:
     direct = None
-    if shard.kind == "chunk":
+    if shard.kind == "chunk":  # one piece of one tensor: read straight into its bytes
         (seg,) = shard.segments
         staging = dests.staging[seg.tensor]
         assert staging is not None
-        meta = manifest.tensors[seg.tensor]
-        unit = meta.itemsize * (math.prod(meta.shape[1:]) if meta.mode == "rows" else 1)
-        direct = _byte_view(staging)[seg.start * unit : seg.stop * unit]
+        start, nbytes = manifest.segment_span(seg)
+        direct = byte_view(staging)[start : start + nbytes]
     buffer = None
     if direct is None:
         buffer = torch.empty(shard.length, dtype=torch.uint8)
-        out = _byte_view(buffer)
+        out = byte_view(buffer)
     else:
         out = direct
-    if not await read_verified(manifest, shard, sources, out, problems):
-        raise CorruptionError(
-            f"step {manifest.step}: no tier holds a good copy of shard {shard.index} "
-            f"({_keys(manifest, shard)}); tried {[t.name for t in sources]}"
-        )
+    await read_verified(manifest, shard, sources, out, checksum=checksum, problems=problems)
     if buffer is not None:
         tensors, all_staging = manifest.tensors, dests.staging
+        base = buffer.data_ptr()
         for seg in shard.segments:
             meta = tensors[seg.tensor]
             staging = all_staging[seg.tensor]
             assert staging is not None
-            if meta.mode == "pack":  # the usual case, thousands per shard: no slicing
-                staging.reshape(-1).view(torch.uint8).copy_(
-                    buffer[seg.offset : seg.offset + staging.nbytes]
-                )
+            if meta.mode == "pack":  # the usual case, thousands per shard
+                # a staging tensor is contiguous host memory of the tensor's size, and the
+                # manifest's decoder checked that the segment lies inside the shard: one
+                # memmove, where three tensor operations cost some 10 µs per tiny tensor
+                ctypes.memmove(staging.data_ptr(), base + seg.offset, staging.nbytes)
                 continue
-            nbytes = manifest.segment_nbytes(seg)
-            piece = buffer[seg.offset : seg.offset + nbytes].view(meta.torch_dtype)
-            piece = piece.view(manifest.segment_shape(seg))
-            _segment_target(staging, meta, seg.start, seg.stop).copy_(piece)
-
-
-def _keys(manifest: Manifest, shard: ShardMeta) -> str:
-    keys = [manifest.tensors[s.tensor].key for s in shard.segments]
-    return ", ".join(repr(k) for k in keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            manifest.tensor_part(seg, staging).copy_(manifest.shard_part(seg, buffer))
 
 
 async def restore_state(
@@ -321,23 +252,26 @@ async def restore_state(
     map_location: torch.device | str | None,
     allow_pickle: bool,
     concurrency: int = 4,
+    checksum: Checksum = thread_checksum,
 ) -> Any:
-    """Read every shard of ``manifest`` (falling back tier by tier) and rebuild the state."""
+    """Read every shard of ``manifest`` (falling back tier by tier) and rebuild the state;
+    ``checksum`` computes each shard's crc32c (the Checkpointer's checksum pool)."""
     if manifest.pickled and not allow_pickle:
         decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
-    manifest = align_into(manifest, into)
     with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
+        manifest = align_into(manifest, into)
         dests = _Destinations(manifest, into, map_location)
     problems: list[Exception] = []
     shards: Sequence[ShardMeta] = manifest.shards
     if any(t is not None and t.device.type == "cuda" for t in dests.final):
-        from ._cuda import restore_into  # device targets: in place, host to device
-
-        await restore_into(manifest, sources, dests.final, concurrency=concurrency)
+        # device targets: in place, host to device
+        await restore_into(
+            manifest, sources, dests.final, concurrency=concurrency, checksum=checksum
+        )
         dests.staging = list(dests.final)  # every tensor is filled: nothing left to copy
         shards = ()
 
-    await _read_shards(manifest, shards, sources, dests, problems, concurrency)
+    await _read_shards(manifest, shards, sources, dests, problems, concurrency, checksum)
     with collector_paused():
         tensors = dests.finish()
         state = decode_tree(manifest.tree, tensors, allow_pickle=allow_pickle)
@@ -356,6 +290,7 @@ async def restore_lazily(
     map_location: torch.device | str | None,
     allow_pickle: bool,
     concurrency: int = 4,
+    checksum: Checksum = thread_checksum,
 ) -> Callable[[], Awaitable[None]] | None:
     """Restore everything but the top-level entries ``deferred`` of ``into`` now, and
     return the coroutine function that restores those (the guarded optimizers' state).
@@ -385,7 +320,7 @@ async def restore_lazily(
     rest = [sh for sh in manifest.shards if not any(seg.tensor in first for seg in sh.segments)]
     problems: list[Exception] = []
     done: list[Any] = [None] * len(tensors)
-    await _read_shards(manifest, now, sources, dests, problems, concurrency)
+    await _read_shards(manifest, now, sources, dests, problems, concurrency, checksum)
     _finish_some(dests, done, first)
     state = decode_tree(manifest.tree, done, allow_pickle=allow_pickle)
     lacking = [k for k in deferred if k not in state]
@@ -394,7 +329,7 @@ async def restore_lazily(
     _apply_part(into, state, [k for k in into if k not in deferred])
 
     async def finish() -> None:
-        await _read_shards(manifest, rest, sources, dests, problems, concurrency)
+        await _read_shards(manifest, rest, sources, dests, problems, concurrency, checksum)
         _finish_some(dests, done, set(range(len(tensors))) - first)
         full = decode_tree(manifest.tree, done, allow_pickle=allow_pickle)
         _apply_part(into, full, [k for k in into if k in deferred])
@@ -420,22 +355,20 @@ async def _read_shards(
     dests: _Destinations,
     problems: list[Exception],
     concurrency: int,
+    checksum: Checksum,
 ) -> None:
     sem = asyncio.Semaphore(concurrency)
 
     async def one(shard: ShardMeta) -> None:
         async with sem:
-            await _restore_shard(manifest, shard, sources, dests, problems)
+            await _restore_shard(manifest, shard, sources, dests, problems, checksum)
 
     try:
         async with asyncio.TaskGroup() as tg:
             for shard in shards:
                 tg.create_task(one(shard))
     except ExceptionGroup as group:
-        first = group.exceptions[0]
-        while isinstance(first, ExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
+        raise first_error(group) from None
 
 
 def _finish_some(dests: _Destinations, out: list[Any], indices: Collection[int]) -> None:
@@ -472,8 +405,9 @@ def apply_into(into: Any, restored: Any, key: str = "") -> None:
 
 def _stateful(obj: Any) -> bool:
     """A Stateful object that is not a mapping (a module, an optimizer). Plain dicts and
-    tensors are answered at once: the Protocol's isinstance costs tens of µs, and a state
-    of 100,000 tensors asks once per container and per tensor."""
+    tensors are answered at once: the Protocol's isinstance is slow, and it would be asked
+    once per container and per tensor (``docs/design.md``, "Figures behind choices in the
+    code")."""
     if type(obj) in _NEVER_STATEFUL or obj is None:
         return False
     return isinstance(obj, Stateful) and not isinstance(obj, Mapping)
@@ -511,6 +445,8 @@ def _names(keys: list[Any]) -> str:
 
 def _check_keys(into: Any, restored: Any, key: str) -> None:
     """Raise :class:`StateMismatchError` where ``into`` wants what ``restored`` lacks."""
+    if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
+        return
     if isinstance(into, torch.nn.Module) and isinstance(restored, Mapping):
         want = list(into.state_dict().keys())
         want_set = set(want)  # once, not per key
@@ -673,6 +609,8 @@ def _prefix_map(have: list[Any], want: list[Any]) -> dict[Any, Any] | None:
 
 
 def _align(node: JSON, into: Any, path: str, renames: dict[str, str] | None) -> JSON:
+    if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
+        return node
     module = isinstance(into, torch.nn.Module)
     if module or (isinstance(into, MutableMapping) and not _stateful(into)):
         found = _items(node)
@@ -731,19 +669,12 @@ class VerifyReport:
         return [name for name, p in self.problems.items() if p]
 
 
-async def verify_step(tiers: Sequence[Tier], step: int | None) -> VerifyReport:
+async def verify_step(
+    tiers: Sequence[Tier], step: int | None, *, checksum: Checksum = thread_checksum
+) -> VerifyReport:
     """Read every shard of ``step`` on every tier that lists it and check its crc32c."""
-    listing = await committed_steps(tiers)
-    everywhere = sorted({s for steps in listing.values() for s in steps})
-    if step is None:
-        if not everywhere:
-            raise SnapshotNotFoundError("no committed snapshot on any tier")
-        step = everywhere[-1]
-    holders = [t for t in tiers if step in listing.get(t.name, [])]
-    if not holders:
-        raise SnapshotNotFoundError(f"step {step} is not committed on any tier")
+    step, holders = await find_step(tiers, step)
     report = VerifyReport(step)
-    loop = asyncio.get_running_loop()
     for tier in holders:
         problems = report.problems.setdefault(tier.name, [])
         try:
@@ -754,15 +685,9 @@ async def verify_step(tiers: Sequence[Tier], step: int | None) -> VerifyReport:
         report.shards = len(manifest.shards)
         report.bytes = sum(s.length for s in manifest.shards)
         for shard in manifest.shards:
-            buf = bytearray(shard.length)
+            out = memoryview(bytearray(shard.length))
             try:
-                await tier.read_shard(manifest, shard, memoryview(buf))
+                await read_copy(manifest, shard, tier, out, checksum=checksum)
             except (CorruptionError, TierError) as exc:
-                problems.append(f"shard {shard.index} ({_keys(manifest, shard)}): {exc}")
-                continue
-            crc = await loop.run_in_executor(None, crc32c.crc32c, buf)
-            if crc != shard.crc32c:
-                problems.append(
-                    f"shard {shard.index} ({_keys(manifest, shard)}): checksum mismatch"
-                )
+                problems.append(f"shard {shard.index} ({shard_keys(manifest, shard)}): {exc}")
     return report

@@ -64,6 +64,7 @@ from ._errors import CorruptionError, UnsupportedStateError
 __all__ = [
     "INLINE_ARRAY_BYTES",
     "DataclassValue",
+    "KeyCache",
     "Stateful",
     "StatefulValue",
     "TensorRef",
@@ -126,6 +127,8 @@ class TensorRef:
     alias_of: int | None = None
     dist: DistInfo | None = None
     dtensor: torch.Tensor | None = None
+    # ``tensor`` is a copy taken at snapshot() (the eager policy), not the state's own
+    copied: bool = False
 
 
 # numpy arrays at most this big are stored in the manifest's JSON (np.random.get_state()'s
@@ -190,60 +193,75 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
-# Child paths of string keys that passed _check_key, by (parent path, key). A model's state
-# has the same keys every step, so after the first snapshot() the per-key checks, escaping
-# and formatting become one dict lookup. Bounded: cleared when it grows past _CHILD_MAX.
-_CHILD: dict[tuple[str, str], str] = {}
-# room for the keys of a state of some 250,000 tensors (a mixture-of-experts model's and its
-# unflattened optimizer state's); past the bound every snapshot() would clear and refill
-# the caches, paying the full per-key checks again (measured: 100,000 tensors under a
-# bound of 65,536 cost twice as much per tensor as 60,000)
-_CHILD_MAX = 1 << 18
+class KeyCache:
+    """What walking a state's keys produces, kept from one walk to the next.
 
+    A model's state has the same keys every step. With a cache held across walks (the
+    Checkpointer keeps one), the per-key checks, escaping and formatting of a child path
+    become one dict lookup after the first ``snapshot()``, and the tree's
+    ``[key, {"$tensor": i}]`` items are shared between snapshots (trees are never modified
+    after the walk), which keeps ``snapshot()`` from allocating, and the garbage collector
+    from scanning, a new list and dict per tensor per snapshot.
 
-def _child_path(parent: str, k: str) -> str:
-    found = _CHILD.get((parent, k))
-    if found is not None:
-        return found
-    _check_key(k, parent)
-    child = f"{parent}/{_escape(k)}" if parent else _escape(k)
-    if len(_CHILD) >= _CHILD_MAX:
-        _CHILD.clear()
-    _CHILD[(parent, k)] = child
-    return child
+    Args:
+        limit: entries kept per table before it is cleared and refilled. The default has
+            room for the keys of a state of some 250,000 tensors; a state with more keys
+            than the limit pays the full per-key cost on every walk (``docs/design.md``,
+            "Figures behind choices in the code").
+    """
 
+    def __init__(self, limit: int = 1 << 18) -> None:
+        self.limit = limit
+        self._child: dict[tuple[str, str | int], str] = {}
+        # per (parent path, key) of a tensor: [its path, its index in the last walk, the
+        # tree's item for that index]; one lookup in a table of every tensor of the state
+        # gives both (at 100,000 tensors each lookup is a cache miss)
+        self.items: dict[tuple[str, str | int], list[Any]] = {}
 
-# The tree's ``[key, {"$tensor": i}]`` items, shared between snapshots of the same state:
-# trees are never modified after the walk, and a model's keys and tensor order repeat every
-# step. Sharing them keeps snapshot() from allocating (and the garbage collector from
-# scanning) one new list and dict per tensor per snapshot. Bounded like _CHILD.
-_PAIRS: dict[tuple[str, int], list[Any]] = {}
+    def child_path(self, parent: str, k: str | int) -> str:
+        """The path of key ``k`` (a str, checked, or an int) under ``parent``."""
+        found = self._child.get((parent, k))
+        if found is not None:
+            return found
+        if type(k) is str:
+            _check_key(k, parent)
+            name = _escape(k)
+        else:  # an int (never a bool: the callers test the type): digits need no escaping
+            name = str(k)
+        child = f"{parent}/{name}" if parent else name
+        if len(self._child) >= self.limit:
+            self._child.clear()
+        self._child[(parent, k)] = child
+        return child
 
-
-def _tensor_pair(k: str, index: int) -> list[Any]:
-    found = _PAIRS.get((k, index))
-    if found is None:
-        if len(_PAIRS) >= _CHILD_MAX:
-            _PAIRS.clear()
-        found = _PAIRS[(k, index)] = [k, {"$tensor": index}]
-    return found
+    def tensor_entry(self, parent: str, k: str | int) -> list[Any]:
+        """A new ``items`` entry for the tensor under key ``k`` of ``parent``."""
+        if len(self.items) >= self.limit:
+            self.items.clear()
+        entry = self.items[(parent, k)] = [self.child_path(parent, k), -1, None]
+        return entry
 
 
 _Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
 
 
 class _Walker:
-    def __init__(self, allow_pickle: bool, lenient: bool = False) -> None:
+    def __init__(self, allow_pickle: bool, lenient: bool, keys: KeyCache) -> None:
         self.allow_pickle = allow_pickle
         self.lenient = lenient
+        self.keys = keys
         self.tensors: list[TensorRef] = []
         self._by_ptr: dict[int, int | list[int]] = {}  # data pointer -> first tensor(s) there
         self._active: set[int] = set()
         self._replicated = 0  # depth of Replicated markers around the value being walked
 
     def encode(self, obj: Any, key: str) -> JSON:
-        if obj is None or type(obj) in (bool, int, str):
+        kind = type(obj)
+        if obj is None or kind in (bool, int, str):
             return obj
+        if kind is dict:  # before the other tests: the nesting of a state is mostly dicts
+            return self._container(obj, key)
         if type(obj) is float:
             if math.isfinite(obj):
                 return obj
@@ -260,20 +278,10 @@ class _Walker:
             return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
             return {"$np": [obj.dtype.str, self.encode(obj.item(), key)]}
-        if type(obj) in (dict, list, tuple) or (
+        if type(obj) in (list, tuple) or (
             isinstance(obj, Mapping) and not isinstance(obj, Stateful)
         ):
-            if id(obj) in self._active:
-                raise UnsupportedStateError(f"the state contains a cycle at {key!r}")
-            self._active.add(id(obj))
-            try:
-                return self._encode_container(obj, key)
-            except RuntimeError as exc:  # e.g. "dictionary changed size during iteration"
-                raise UnsupportedStateError(
-                    f"the state at {key!r} changed while snapshot() was reading it: {exc}"
-                ) from exc
-            finally:
-                self._active.discard(id(obj))
+            return self._container(obj, key)
         if isinstance(obj, Stateful):
             marker = isinstance(obj, ReplicatedMarker)
             self._replicated += marker
@@ -300,6 +308,19 @@ class _Walker:
             "to the Checkpointer on both save and restore if you trust every reader of this "
             "checkpoint."
         )
+
+    def _container(self, obj: Any, key: str) -> JSON:
+        if id(obj) in self._active:
+            raise UnsupportedStateError(f"the state contains a cycle at {key!r}")
+        self._active.add(id(obj))
+        try:
+            return self._encode_container(obj, key)
+        except RuntimeError as exc:  # e.g. "dictionary changed size during iteration"
+            raise UnsupportedStateError(
+                f"the state at {key!r} changed while snapshot() was reading it: {exc}"
+            ) from exc
+        finally:
+            self._active.discard(id(obj))
 
     def _encode_object(self, obj: Any, key: str) -> JSON:
         """The trainer-state objects that have a tag of their own; None for any other."""
@@ -357,13 +378,22 @@ class _Walker:
         if isinstance(obj, tuple):
             return {"$tuple": [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]}
         items = []
-        encode = self.encode
+        encode, add_tensor = self.encode, self._add_tensor
+        child_path, table = self.keys.child_path, self.keys.items
         for k, v in obj.items():
-            if type(k) is str:  # the usual case: a cached path, the key encodes as itself
+            kind = type(k)
+            if kind is str or kind is int:  # the usual cases: the key encodes as itself
                 if isinstance(v, torch.Tensor):
-                    items.append(_tensor_pair(k, self._add_tensor(v, _child_path(key, k))))
+                    # one lookup for the path and the tree's item (see KeyCache.items)
+                    entry = table.get((key, k))
+                    if entry is None:
+                        entry = self.keys.tensor_entry(key, k)
+                    index = add_tensor(v, entry[0])
+                    if entry[1] != index:  # a new list: earlier trees keep theirs as they were
+                        entry[1], entry[2] = index, [k, {"$tensor": index}]
+                    items.append(entry[2])
                 else:
-                    items.append([k, encode(v, _child_path(key, k))])
+                    items.append([k, encode(v, child_path(key, k))])
                 continue
             if not (k is None or type(k) in (bool, int, float, tuple)):
                 raise UnsupportedStateError(
@@ -383,50 +413,50 @@ class _Walker:
             if found is not None:
                 dtensor = t
                 t, dist = found
-        _check_tensor(key, t)
+        # the usual case in one test (a quantized tensor's dtype is not in _DTYPE_NAMES)
+        if t.layout is not _STRIDED or t.dtype not in _DTYPE_NAMES or t.is_meta:
+            _check_tensor(key, t)
         if dist is None and self._replicated:
             dist = replicated_info(t)
         # aliases share a data pointer: the full identity is compared only on a shared one
         ptr = t.data_ptr()
+        index = len(self.tensors)
         first: int | None = None
-        sharing = self._by_ptr.get(ptr)
-        if sharing is not None:
+        sharing = self._by_ptr.setdefault(ptr, index)  # the usual case: one lookup, no list
+        if sharing is not index:
             ident = _identity(t)
             candidates = (sharing,) if isinstance(sharing, int) else sharing
             first = next((j for j in candidates if _identity(self.tensors[j].tensor) == ident), None)
+            if first is None:
+                if isinstance(sharing, int):
+                    self._by_ptr[ptr] = [sharing, index]
+                else:
+                    sharing.append(index)
         try:
             version: int | None = t._version
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
             version = None
-        index = len(self.tensors)
-        self.tensors.append(
-            TensorRef(key, t, version, first, dist, dtensor)
-        )
-        if first is None:
-            if sharing is None:
-                self._by_ptr[ptr] = index  # the usual case: no list per tensor
-            elif isinstance(sharing, int):
-                self._by_ptr[ptr] = [sharing, index]
-            else:
-                sharing.append(index)
+        self.tensors.append(TensorRef(key, t, version, first, dist, dtensor))
         return index
 
 
 def walk_state(
-    state: Any, *, allow_pickle: bool, lenient: bool = False
+    state: Any, *, allow_pickle: bool, lenient: bool = False, keys: KeyCache | None = None
 ) -> tuple[JSON, list[TensorRef]]:
     """Walk ``state`` into its tagged-JSON tree and its tensors (see the module docstring).
 
     ``lenient`` (used to find the tensors of an ``into=`` target) skips values it cannot
-    encode instead of refusing them. A tensor seen a second time under another key (same storage, offset, shape, strides and
-    dtype: a tied weight) becomes an alias of the first and is stored once.
+    encode instead of refusing them. A tensor seen a second time under another key (same
+    storage, offset, shape, strides and dtype: a tied weight) becomes an alias of the first
+    and is stored once. ``keys``: a :class:`KeyCache` kept across walks of the same state
+    (none: a fresh one, for this walk only).
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
             f"the state must be a mapping (a dict of tensors, Stateful objects and plain "
             f"values), got {type(state).__qualname__}"
         )
-    walker = _Walker(allow_pickle, lenient)
+    walker = _Walker(allow_pickle, lenient, KeyCache() if keys is None else keys)
     tree = walker.encode(state, "")
     return tree, walker.tensors
 
@@ -504,8 +534,13 @@ class _Decoder:
         self.plain = plain
 
     def decode(self, node: JSON) -> Any:
-        if node is None or isinstance(node, bool | int | str | float):
+        kind = type(node)
+        if kind is str or kind is int or node is None or isinstance(node, bool | int | str | float):
             return node
+        if kind is dict and len(node) == 1:  # the usual node first: a tensor reference
+            index = node.get("$tensor", node)
+            if type(index) is int and 0 <= index < len(self.tensors):
+                return self.tensors[index]
         if isinstance(node, list):
             return [self.decode(v) for v in node]
         if not isinstance(node, dict) or len(node) != 1:
@@ -585,7 +620,12 @@ _OBJECT_TAGS: dict[str, Any] = {
 def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
     """The tags of plain values, containers and tensors."""
     if tag == "$dict":
-        return {_hashable(dec.decode(k)): dec.decode(v) for k, v in value}
+        keys = [dec.decode(k) for k, _ in value]
+        values = [dec.decode(v) for _, v in value]
+        try:
+            return dict(zip(keys, values, strict=True))
+        except TypeError as exc:  # keys are encoded hashable: only damage makes one a list
+            raise CorruptionError(f"a mapping key of the value tree is not hashable: {exc}") from exc
     if tag == "$tuple":
         return tuple(dec.decode(v) for v in value)
     if tag == "$stateful":
@@ -620,10 +660,3 @@ def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
             )
         return pickle.loads(base64.b64decode(value, validate=True))
     raise CorruptionError(f"unknown tag {tag!r} in value tree")
-
-
-def _hashable(key: Any) -> Any:
-    if isinstance(key, list):  # defensive: keys are encoded as tuples, never lists
-        raise CorruptionError("a mapping key decoded to a list")
-    return key
-

@@ -415,6 +415,28 @@ def test_progress_is_plain_lines_when_not_on_a_terminal(snapshots: Any, run: Run
     assert err == ""
 
 
+@pytest.mark.slow
+def test_a_slow_ls_counts_snapshots_on_stderr(
+    snapshots: Any, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, _ = snapshots
+    code, out, err = run("ls", root)
+    assert (code, err) == (EXIT_OK, "")  # quick: nothing on stderr
+    slow = FileTier.read_manifest
+
+    async def read_manifest(self: FileTier, step: int) -> Manifest:
+        await asyncio.sleep(5.1)  # past the 5 s between two progress lines
+        return await slow(self, step)
+
+    monkeypatch.setattr(FileTier, "read_manifest", read_manifest)
+    code, out, err = run("ls", root)
+    assert code == EXIT_OK
+    assert [line.split()[0] for line in out.splitlines()[1:]] == [str(s) for s in STEPS]
+    lines = err.splitlines()
+    assert lines[-1].startswith(f"ls: done, {len(STEPS)} snapshots in ")
+    assert len(lines) >= 2 and f" of {len(STEPS)} snapshots" in lines[0]
+
+
 # -- export --------------------------------------------------------------------------------------
 
 
@@ -735,6 +757,33 @@ def test_progress_redraws_one_line_on_a_terminal() -> None:
     assert "[" in frames[0] and " 25%" in frames[0] and "250 B of 1000 B" in frames[0]
     assert " 50%" in frames[1] and "0:02 left" in frames[1]
     assert frames[-1].startswith("verify: done, 500 B in 2.0 s")
+
+
+def test_progress_counts_things_in_their_unit() -> None:
+    stream, clock = io.StringIO(), Clock()
+    with Progress(40, "ls", unit="snapshots", stream=stream, clock=clock, interval=5.0) as bar:
+        clock.now = 5.0
+        bar.advance(10)
+        clock.now = 8.0
+        bar.advance(30)
+    assert stream.getvalue().splitlines() == [
+        "ls: 25%, 10 of 40 snapshots, 2.0 snapshots/s, 0:15 left",
+        "ls: done, 40 snapshots in 8.0 s (5.0 snapshots/s)",
+    ]
+
+
+def test_progress_of_things_says_nothing_when_quick() -> None:
+    stream, clock = io.StringIO(), Clock()
+    with Progress(3, "gc", unit="snapshots", summary=False, stream=stream, clock=clock) as bar:
+        clock.now = 4.0
+        bar.advance(3)
+    assert stream.getvalue() == ""
+    with Progress(3, "gc", unit="snapshots", summary=False, stream=stream, clock=clock) as bar:
+        clock.now = 10.0
+        bar.advance(2)
+        clock.now = 12.0
+        bar.advance(1)
+    assert stream.getvalue().splitlines()[-1] == "gc: done, 3 snapshots in 8.0 s (0.4 snapshots/s)"
 
 
 def test_progress_says_where_it_stopped() -> None:

@@ -42,7 +42,7 @@ from lazyckpt._cuda import (
     CudaCapture,
     InflightWindow,
     PollOptions,
-    _in_pool,
+    in_pool,
     resolve_guard_mode,
     restore_into,
     stream_guard_hook,
@@ -398,7 +398,7 @@ async def test_pool_work_outlives_a_cancelled_caller() -> None:
     release = threading.Event()
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        flow = asyncio.create_task(_in_pool(pool, release.wait, 10))
+        flow = asyncio.create_task(in_pool(pool, release.wait, 10))
         await settle_loop(0.05)
         flow.cancel()
         await settle_loop(0.05)
@@ -406,7 +406,7 @@ async def test_pool_work_outlives_a_cancelled_caller() -> None:
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(flow, 5)
-        assert await _in_pool(pool, sum, [1, 2, 3]) == 6
+        assert await in_pool(pool, sum, [1, 2, 3]) == 6
     finally:
         pool.shutdown()
 
@@ -616,7 +616,6 @@ async def test_the_fence_orders_the_compute_stream_without_waiting_for_the_copy(
         flow for flow, job in zip(flows, jobs, strict=True) if job.shard.kind == "chunk"
     ]
     assert not any(flow.done() for flow in device_flows)  # the CPU went on, the copies run
-    assert capture.pending_events() == [(0, rt.copy_events[-1])]
     t.add_(0)  # the optimizer step, issued after the fence: the GPU runs it after the copy
     step_count.add_(1)
     rt.budget = None

@@ -48,11 +48,32 @@ def test_public_names_are_exported() -> None:
 # inside functions and under TYPE_CHECKING count like any other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc"),
-    ("_dist", "_tree", "_manifest", "_state", "_arena", "_metrics", "_distributed"),
-    ("_tier", "tier"),
-    ("_capture", "_cuda", "_restore", "_dtensor", "_engine", "_preemption"),
-    ("", "_checkpointer", "timeline"),
-    ("cli", "integrations", "testing"),
+    ("_dist", "_tree", "_manifest", "_options", "_state", "_arena", "_metrics", "_distributed"),
+    ("_tier", "tier", "_replica"),
+    ("_fetch", "_tiercall", "_optimizers", "_flight", "_capture", "_cuda", "_restore", "_dtensor",
+     "_engine", "_preemption"),
+    ("", "_handle", "_core", "_checkpointer", "timeline"),
+    (
+        "cli",
+        "cli._status",
+        "cli._console",
+        "cli._location",
+        "cli._read",
+        "cli._formats",
+        "cli._inspect",
+        "cli._verify",
+        "cli._export",
+        "cli._write",
+        "cli._import",
+        "cli._copy",
+        "cli._gc",
+        "cli._timeline",
+        "cli._main",
+        "cli.__main__",
+        "__main__",
+        "integrations",
+        "testing",
+    ),
 )
 
 

@@ -19,12 +19,11 @@ from lazyckpt import (
     LayoutOptions,
     Manifest,
     UnsupportedStateError,
-    _checkpointer,
-    _tree,
+    _core,
 )
 from lazyckpt._gc import collector_paused
 from lazyckpt._manifest import plan_layout
-from lazyckpt._tree import walk_state
+from lazyckpt._tree import KeyCache, walk_state
 from tiers import FileTier
 
 
@@ -54,13 +53,13 @@ def test_snapshot_walks_with_the_collector_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, collector_on: None
 ) -> None:
     seen: list[bool] = []
-    real = _checkpointer.walk_state
+    real = _core.walk_state
 
     def spy(*args: object, **kwargs: object) -> object:
         seen.append(gc.isenabled())
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_checkpointer, "walk_state", spy)
+    monkeypatch.setattr(_core, "walk_state", spy)
     with lazyckpt.SyncCheckpointer([FileTier(tmp_path)]) as ckpt:
         ckpt.snapshot({"w": torch.ones(3)}, step=1).wait()
         assert gc.isenabled()
@@ -73,10 +72,13 @@ def test_snapshot_walks_with_the_collector_off(
 def test_key_cache_holds_more_than_65536_keys() -> None:
     n = 70_000
     state = {f"expert{i}.w": torch.empty(0) for i in range(n)}
-    walk_state(state, allow_pickle=False)
-    walk_state(state, allow_pickle=False)
-    # every path of the second walk came from the cache: none was evicted by the first
-    assert sum(1 for (parent, k) in _tree._CHILD if parent == "" and k.startswith("expert")) >= n
+    keys = KeyCache()
+    walk_state(state, allow_pickle=False, keys=keys)
+    tree, _ = walk_state(state, allow_pickle=False, keys=keys)
+    # every path of the first walk is still cached: the second walk shares its tree items
+    again, _ = walk_state(state, allow_pickle=False, keys=keys)
+    assert all(a is b for a, b in zip(tree["$dict"], again["$dict"], strict=True))
+    assert len(tree["$dict"]) == n
 
 
 def _manifest() -> Manifest:

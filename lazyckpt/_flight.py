@@ -1,0 +1,94 @@
+"""A snapshot in flight: the engine's bookkeeping of one snapshot, and its timings."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._arena import Block
+from ._manifest import Manifest
+from ._state import ShardState
+from ._tree import TensorRef
+
+__all__ = ["Flight", "SnapshotStats"]
+
+
+@dataclass
+class SnapshotStats:
+    """Where the time of one snapshot went (seconds)."""
+
+    step: int
+    bytes: int
+    shards: int
+    snapshot_s: float = 0.0
+    guard_s: float = 0.0
+    capture_s: float | None = None
+    reached_s: dict[str, float] = field(default_factory=dict)
+
+
+class Flight:
+    """A snapshot on its way through the tiers."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        refs: Sequence[TensorRef],
+        tier_names: Sequence[str],
+        tensor_bytes: int | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.refs = refs
+        n = len(manifest.shards)
+        self.states = [ShardState.CAPTURED] * n
+        self.crcs: list[int] = [0] * n
+        # incremental snapshots: each shard's content digest; per stage, the committed
+        # manifest its shards are compared with (the base, pinned while this flight runs),
+        # the shards it refers to instead of writing (index -> the step holding them), and
+        # which shards were not captured at all (unchanged since the last capture)
+        self.digests: list[str | None] = [None] * n
+        self.bases: list[Manifest | None] = [None] * len(tier_names)
+        self.pinned: list[tuple[int, Manifest]] = []  # (stage, base): every base it used
+        self.stored_in: list[dict[int, int]] = [{} for _ in tier_names]
+        self.uncaptured: set[int] = set()
+        # incremental="versions": per shard, what must stay unchanged to skip its next
+        # capture, and its tensors (see the engine's _Captured)
+        self.prints: list[tuple[Any, ...] | None] = []
+        self.holds: list[tuple[torch.Tensor, ...]] = []
+        self.hashing: list[bool] = []  # per shard: compute its digest (engine._fingerprint)
+        self.committed_as: list[Manifest | None] = [None] * len(tier_names)
+        self.blocks: list[Block | None] = [None] * n
+        self.captured_count = 0
+        self.checksummed_count = 0
+        self.persisted = [0] * len(tier_names)
+        self.failed_from: int | None = None  # first stage index that failed (0 = capture)
+        self.errors: list[Exception] = []
+        self.t_submit = time.perf_counter()
+        nbytes = manifest.tensor_bytes if tensor_bytes is None else tensor_bytes
+        self.stats = SnapshotStats(step=manifest.step, bytes=nbytes, shards=n)
+        # per durable tier: its begin(), running beside the capture; True once it succeeded
+        self.begun: list[asyncio.Task[bool]] = []
+        # a host-only chain: the blocks this snapshot keeps, held until it commits or fails,
+        # and whether it is finished (its blocks are given back in step order)
+        self.kept: list[Block] = []
+        self.finished = False
+        self.captured: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.reached: dict[str, concurrent.futures.Future[None]] = {
+            name: concurrent.futures.Future() for name in tier_names
+        }
+        self.done = asyncio.Event()
+        self.reported = False
+        self.recorded = False
+        # distributed mode: this rank's outcome per stage, then the ranks' agreement
+        self.local_ok = [False] * len(tier_names)
+        self.settled = asyncio.Event()
+        self.coordinated = [asyncio.Event() for _ in tier_names]
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step

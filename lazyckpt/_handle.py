@@ -1,0 +1,100 @@
+"""A snapshot's handle: its progress, as awaitables per stage."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+from ._engine import Engine, Flight, SnapshotStats
+from ._errors import ConfigurationError, LazyCkptError, SnapshotSkippedError
+
+__all__ = ["SnapshotHandle"]
+
+
+class SnapshotHandle:
+    """One snapshot's progress, as awaitables per stage.
+
+    ``await captured()``: every shard is in host memory; the tensors may change now.
+    ``await reached(tier)``: durable (committed) on that tier. ``await committed()``:
+    committed on the last tier. Each raises :class:`SnapshotFailedError` if the snapshot
+    failed at or before that stage. Cancelling one of them only stops the waiting; the
+    snapshot goes on. The blocking :meth:`wait` serves synchronous code.
+    """
+
+    def __init__(self, engine: Engine, flight: Flight | None, step: int) -> None:
+        self._engine = engine
+        self._flight = flight
+        self.step = step
+
+    def __repr__(self) -> str:
+        return f"<SnapshotHandle step={self.step} {self.state()}>"
+
+    @property
+    def skipped(self) -> bool:
+        """True when the snapshot was dropped by ``when_busy="skip"``."""
+        return self._flight is None
+
+    @property
+    def stats(self) -> SnapshotStats | None:
+        """Timings so far (seconds): in ``snapshot()``, in the guard, to capture, per tier."""
+        return None if self._flight is None else self._flight.stats
+
+    def state(self) -> str:
+        """A word for where the snapshot is: skipped, capturing, captured, committed, failed."""
+        f = self._flight
+        if f is None:
+            return "skipped"
+        last = f.reached[self._engine.stage_names[-1]]
+        if last.done():
+            return "failed" if last.exception() else "committed"
+        if f.captured.done():
+            return "failed" if f.captured.exception() else "captured"
+        return "capturing"
+
+    def _future(self, stage: str) -> concurrent.futures.Future[None]:
+        if self._flight is None:
+            raise SnapshotSkippedError(f"the snapshot of step {self.step} was skipped (busy)")
+        if stage == "captured":
+            return self._flight.captured
+        if stage == "committed":
+            return self._flight.reached[self._engine.stage_names[-1]]
+        names = [n for n in self._engine.stage_names if not n.startswith("<")]
+        if stage not in names:
+            raise ConfigurationError(f"no tier named {stage!r}; tiers: {names}")
+        return self._flight.reached[stage]
+
+    async def _await(self, stage: str) -> None:
+        fut = self._future(stage)
+        try:
+            # shielded: cancelling this wait must not cancel the snapshot's shared future
+            await asyncio.shield(asyncio.wrap_future(fut))
+        except LazyCkptError:
+            assert self._flight is not None
+            self._engine.mark_reported(self._flight)
+            raise
+
+    async def captured(self) -> None:
+        """Wait until every shard is in host memory."""
+        await self._await("captured")
+
+    async def reached(self, tier: str) -> None:
+        """Wait until the snapshot is committed on ``tier`` (a tier's name)."""
+        await self._await(tier)
+
+    async def committed(self) -> None:
+        """Wait until the snapshot is committed on the last tier of the chain."""
+        await self._await("committed")
+
+    def wait(self, stage: str = "committed", timeout: float | None = None) -> None:
+        """Block until ``stage`` ("captured", "committed" or a tier name) is reached."""
+        fut = self._future(stage)
+        try:
+            fut.result(timeout)
+        except LazyCkptError:
+            assert self._flight is not None
+            self._engine.mark_reported(self._flight)
+            raise
+
+    def done(self) -> bool:
+        """True once the snapshot is committed everywhere, or failed."""
+        return self.state() in ("skipped", "committed", "failed")

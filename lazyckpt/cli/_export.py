@@ -1,0 +1,426 @@
+"""``lazyckpt export``: stream a snapshot into a safetensors file or a ``torch.save`` file,
+shard by shard, without holding the whole state in memory."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import struct
+import zipfile
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import CorruptionError
+from .._manifest import Manifest, TensorMeta
+from .._tree import StatefulValue, decode_tree
+from ._console import Console
+from ._formats import SAFETENSORS_DTYPES, format_of
+from ._location import (
+    Location,
+    opened,
+    pick_steps,
+)
+from ._read import ShardReader, damage_keys
+from ._status import (
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+)
+
+
+@dataclass
+class _Placement:
+    """Where one stored tensor's bytes go in the output file (every copy of them)."""
+
+    offsets: list[int]
+    crc: int = 0
+
+
+def _selected(manifest: Manifest, select: str | None) -> dict[int, str]:
+    """Output names of the tensors to export, by manifest index."""
+    names: dict[int, str] = {}
+    for i, meta in enumerate(manifest.tensors):
+        if select is None:
+            names[i] = meta.key
+        elif meta.key == select:
+            names[i] = meta.key.rsplit("/", 1)[-1]
+        elif meta.key.startswith(select + "/"):
+            names[i] = meta.key[len(select) + 1 :]
+    return names
+
+
+def _strip_part(part: str, prefixes: Sequence[str]) -> str:
+    for prefix in prefixes:
+        if part.startswith(prefix):
+            return part[len(prefix) :]
+    return part
+
+
+def _stripped_names(names: dict[int, str], prefixes: Sequence[str]) -> dict[int, str]:
+    """``names`` with each prefix taken off every path component that starts with it."""
+    if not prefixes:
+        return names
+    out: dict[int, str] = {}
+    seen: dict[str, str] = {}
+    for i, name in names.items():
+        new = "/".join(_strip_part(part, prefixes) for part in name.split("/"))
+        if new in seen:
+            raise CommandError(
+                f"--strip-prefix makes {seen[new]!r} and {name!r} the same name {new!r}",
+                EXIT_USAGE,
+            )
+        seen[new] = name
+        out[i] = new
+    return out
+
+
+def _stripped_state(state: Any, prefixes: Sequence[str], path: str = "") -> Any:
+    """The decoded state with each prefix taken off every string key that starts with it."""
+    if isinstance(state, dict) and prefixes:
+        out: dict[Any, Any] = {}
+        for k, v in state.items():
+            new = _strip_part(k, prefixes) if isinstance(k, str) else k
+            child = f"{path}/{k}" if path else str(k)
+            if new in out:
+                raise CommandError(
+                    f"--strip-prefix makes two keys under {path or '<root>'!r} the same "
+                    f"key {new!r}",
+                    EXIT_USAGE,
+                )
+            out[new] = _stripped_state(v, prefixes, child)
+        return out
+    if isinstance(state, list | tuple) and prefixes:
+        return type(state)(_stripped_state(v, prefixes, f"{path}/{i}") for i, v in enumerate(state))
+    return state
+
+
+def _stored(meta: TensorMeta, index: int) -> int:
+    return meta.alias_of if meta.alias_of is not None else index
+
+
+def _stream_position(manifest: Manifest, index: int) -> tuple[int, int]:
+    meta = manifest.tensors[_stored(manifest.tensors[index], index)]
+    return (meta.shards[0] if meta.shards else -1, meta.offset)
+
+
+def _write_pieces(fd: int, pieces: list[tuple[int, memoryview]]) -> None:
+    for offset, data in pieces:
+        while data:
+            written = os.pwrite(fd, data, offset)
+            data, offset = data[written:], offset + written
+
+
+def _update_crcs(placements: dict[int, _Placement], pieces: list[tuple[int, memoryview]]) -> None:
+    for index, data in pieces:
+        placement = placements[index]
+        placement.crc = zlib.crc32(data, placement.crc)
+
+
+async def _stream_into(
+    fd: int,
+    loc: Location,
+    manifest: Manifest,
+    placements: dict[int, _Placement],
+    ui: Console,
+    label: str,
+    jobs: int,
+    *,
+    track_crc: bool = False,
+) -> None:
+    """Read the shards the placements need and write their bytes where they go."""
+    needed = [s for s in manifest.shards if any(seg.tensor in placements for seg in s.segments)]
+    with ui.progress(sum(s.length for s in needed), label) as bar:
+        async with ShardReader(loc.tier, manifest, needed, jobs=jobs) as reader:
+            async for read in reader:
+                if read.error is not None or read.data is None:
+                    keys = ", ".join(damage_keys(manifest, read.shard))
+                    raise CorruptionError(
+                        f"{loc}: step {manifest.step}, shard {read.shard.index} ({keys}): "
+                        f"{read.error}"
+                    )
+                writes: list[tuple[int, memoryview]] = []
+                crc_pieces: list[tuple[int, memoryview]] = []
+                for seg in read.shard.segments:
+                    placement = placements.get(seg.tensor)
+                    if placement is None:
+                        continue
+                    start, nbytes = manifest.segment_span(seg)
+                    piece = read.data[seg.offset : seg.offset + nbytes]
+                    writes.extend((offset + start, piece) for offset in placement.offsets)
+                    crc_pieces.append((seg.tensor, piece))
+                await asyncio.to_thread(_write_pieces, fd, writes)
+                if track_crc:
+                    # Shards come in manifest order, so a tensor's pieces arrive in order.
+                    await asyncio.to_thread(_update_crcs, placements, crc_pieces)
+                bar.advance(read.shard.length)
+
+
+def _safetensors_layout(
+    manifest: Manifest, names: dict[int, str]
+) -> tuple[bytes, dict[int, _Placement], int]:
+    """The header, where each stored tensor's bytes go, and the file's size."""
+    entries: dict[str, Any] = {}
+    relative: dict[int, list[int]] = {}
+    cursor = 0
+    for i in sorted(names, key=lambda i: _stream_position(manifest, i)):
+        meta = manifest.tensors[i]
+        dtype = SAFETENSORS_DTYPES.get(meta.dtype)
+        if dtype is None:
+            raise CommandError(
+                f"tensor {meta.key!r} is {meta.dtype}, which safetensors cannot hold; "
+                "export with --format torch",
+                EXIT_USAGE,
+            )
+        # safetensors files cannot share bytes between names: a tied weight is written
+        # once per name.
+        entries[names[i]] = {
+            "dtype": dtype,
+            "shape": list(meta.shape),
+            "data_offsets": [cursor, cursor + meta.nbytes],
+        }
+        relative.setdefault(_stored(meta, i), []).append(cursor)
+        cursor += meta.nbytes
+    metadata = {
+        "format": "pt",
+        "lazyckpt.step": str(manifest.step),
+    }
+    if len(names) == len(manifest.tensors) and all(
+        names[i] == t.key for i, t in enumerate(manifest.tensors)
+    ):
+        # The whole snapshot: keep what `import` needs to rebuild it exactly, plain values
+        # and tied weights included.
+        metadata["lazyckpt.tree"] = json.dumps(manifest.tree, separators=(",", ":"))
+        metadata["lazyckpt.tensors"] = json.dumps(
+            [[t.key, t.alias_of] for t in manifest.tensors], separators=(",", ":")
+        )
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the format aligns the data section to 8 bytes
+    start = 8 + len(header)
+    placements = {
+        i: _Placement([start + offset for offset in offsets]) for i, offsets in relative.items()
+    }
+    return struct.pack("<Q", len(header)) + header, placements, start + cursor
+
+
+async def _export_safetensors(
+    loc: Location, m: Manifest, names: dict[int, str], fd: int, ui: Console, jobs: int
+) -> None:
+    head, placements, size = _safetensors_layout(m, names)
+    await asyncio.to_thread(os.ftruncate, fd, size)
+    await asyncio.to_thread(_write_pieces, fd, [(0, memoryview(head))])
+    await _stream_into(fd, loc, m, placements, ui, f"export step {m.step}", jobs)
+
+
+def _plain(value: Any) -> Any:
+    """The decoded state with lazyckpt's own marker types turned into builtins, so the file
+    loads without lazyckpt installed."""
+    if isinstance(value, StatefulValue):
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _subtree(state: Any, select: str) -> Any:
+    node = state
+    for part in select.split("/"):
+        name = part.replace("%2F", "/").replace("%25", "%")
+        if isinstance(node, dict):
+            matches = [k for k in node if str(k) == name]
+            if not matches:
+                raise CommandError(f"no key {select!r} in the snapshot", EXIT_NOT_FOUND)
+            node = node[matches[0]]
+        elif isinstance(node, list | tuple) and name.isdigit() and int(name) < len(node):
+            node = node[int(name)]
+        else:
+            raise CommandError(f"no key {select!r} in the snapshot", EXIT_NOT_FOUND)
+    return node
+
+
+def _pickle_order(state: Any) -> list[torch.Tensor]:
+    """Tensors in the order pickle first meets them: the order ``torch.save`` numbers their
+    storages in (dict items key then value, sequences in order, depth first)."""
+    seen: set[int] = set()
+    order: list[torch.Tensor] = []
+    stack: list[Any] = [state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            if id(node) not in seen:
+                seen.add(id(node))
+                order.append(node)
+        elif isinstance(node, dict):
+            items = [x for pair in node.items() for x in pair]
+            stack.extend(reversed(items))
+        elif isinstance(node, list | tuple):
+            stack.extend(reversed(node))
+    return order
+
+
+def _zip_records(path: Path) -> tuple[dict[str, tuple[int, int]], int, int]:
+    """Each storage record's data offset and size, and where the central directory is."""
+    records: dict[str, tuple[int, int]] = {}
+    with zipfile.ZipFile(path) as zf, path.open("rb") as f:
+        for info in zf.infolist():
+            match = re.fullmatch(r"[^/]+/data/(\d+)", info.filename)
+            if match is None:
+                continue
+            f.seek(info.header_offset)
+            local = f.read(30)
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            records[info.filename] = (
+                info.header_offset + 30 + name_len + extra_len,
+                info.file_size,
+            )
+        return records, zf.start_dir, len(zf.infolist())
+
+
+def _patch_zip_crcs(path: Path, crcs: dict[str, tuple[int, int, int]]) -> None:
+    """Write each record's CRC-32 into its data descriptor and central-directory entry, which
+    ``torch.save`` under ``skip_data`` leaves at zero, so the file is a valid zip again."""
+    with path.open("r+b") as f:
+        for name, (data_offset, size, crc) in crcs.items():
+            if not size:
+                continue  # an empty record has no data descriptor, and its CRC-32 is 0
+            f.seek(data_offset + size)
+            if f.read(4) != b"PK\x07\x08":
+                raise CommandError(f"{path}: no data descriptor after {name} from torch.save")
+            f.write(struct.pack("<I", crc))
+        _, start_dir, count = _zip_records(path)
+        position = start_dir
+        for _ in range(count):
+            f.seek(position)
+            entry = f.read(46)
+            if entry[:4] != b"PK\x01\x02":
+                raise CommandError(f"{path}: unexpected zip layout from torch.save")
+            name_len, extra_len, comment_len = struct.unpack("<HHH", entry[28:34])
+            name = f.read(name_len).decode()
+            if name in crcs:
+                f.seek(position + 16)
+                f.write(struct.pack("<I", crcs[name][2]))
+            position += 46 + name_len + extra_len + comment_len
+
+
+async def _export_torch(
+    loc: Location,
+    m: Manifest,
+    select: str | None,
+    allow_pickle: bool,
+    tmp: Path,
+    ui: Console,
+    jobs: int,
+    strip: Sequence[str] = (),
+) -> None:
+    if not hasattr(torch.serialization, "skip_data"):
+        raise CommandError(
+            f"--format torch needs torch 2.5 or newer (this is {torch.__version__}); "
+            "export to safetensors instead",
+            EXIT_USAGE,
+        )
+    # torch.save pickles one object, so it cannot take tensors one at a time. Instead it saves
+    # a skeleton whose tensors are never-touched allocations (address space, no memory) under
+    # torch.serialization.skip_data, which lays out every storage record but leaves its bytes
+    # unwritten; the bytes then stream from the tier straight to their records.
+    tensors: list[torch.Tensor] = []
+    for meta in m.tensors:
+        if meta.alias_of is not None:
+            tensors.append(tensors[meta.alias_of])  # one storage: torch.load keeps them tied
+        else:
+            tensors.append(torch.empty(meta.shape, dtype=meta.torch_dtype))
+    # plain: a generator's state or an array stored in the shards stays a tensor, so that its
+    # bytes stream into a storage record like any other tensor's
+    state = _plain(decode_tree(m.tree, tensors, allow_pickle=allow_pickle, plain=True))
+    if select is not None:
+        state = _subtree(state, select)
+    state = _stripped_state(state, strip)
+    order = _pickle_order(state)
+    index_of = {id(t): i for i, t in enumerate(tensors) if m.tensors[i].alias_of is None}
+
+    def save() -> dict[str, tuple[int, int]]:
+        with tmp.open("wb") as f, torch.serialization.skip_data():
+            torch.save(state, f)
+        return _zip_records(tmp)[0]
+
+    records = await asyncio.to_thread(save)
+    if len(records) != len(order):
+        raise CommandError(f"torch.save wrote {len(records)} storages, expected {len(order)}")
+    by_key = {name.rsplit("/", 1)[-1]: name for name in records}
+    placements: dict[int, _Placement] = {}
+    names: dict[int, str] = {}
+    for k, tensor in enumerate(order):
+        index = index_of[id(tensor)]
+        name = by_key[str(k)]
+        offset, size = records[name]
+        if size != m.tensors[index].nbytes:
+            raise CommandError(
+                f"torch.save laid out storage {k} with {size} bytes, but "
+                f"{m.tensors[index].key!r} has {m.tensors[index].nbytes}"
+            )
+        placements[index] = _Placement([offset])
+        names[index] = name
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        await _stream_into(
+            fd, loc, m, placements, ui, f"export step {m.step}", jobs, track_crc=True
+        )
+    finally:
+        os.close(fd)
+    crcs = {names[i]: (*records[names[i]], p.crc) for i, p in placements.items()}
+    await asyncio.to_thread(_patch_zip_crcs, tmp, crcs)
+
+
+def _fsync_replace(tmp: Path, final: Path) -> None:
+    with tmp.open("rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def export_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt export``: write one step to a file, through a partial file replaced at the
+    end, so a failed export leaves no file behind."""
+    fmt = format_of(args.to, args.format)
+    final = Path(args.to)
+    if not args.force and await asyncio.to_thread(final.exists):
+        raise CommandError(f"{final} exists; pass --force to replace it", EXIT_USAGE)
+    async with opened(args.location) as loc:
+        (step,) = await pick_steps(loc, args.step)
+        m = await loc.tier.read_manifest(step)
+        names = _selected(m, args.select)
+        if args.select is not None and not names:
+            raise CommandError(f"no tensor under {args.select!r} in step {step}", EXIT_NOT_FOUND)
+        names = _stripped_names(names, args.strip_prefix)
+        tmp = final.with_name(f".{final.name}.partial")
+        try:
+            if fmt == "safetensors":
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    await _export_safetensors(loc, m, names, fd, ui, args.jobs)
+                finally:
+                    os.close(fd)
+            else:
+                await _export_torch(
+                    loc, m, args.select, args.allow_pickle, tmp, ui, args.jobs, args.strip_prefix
+                )
+            await asyncio.to_thread(_fsync_replace, tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+    ui.note(f"wrote step {step} ({len(names)} tensors) to {final} as {fmt}")
+    return EXIT_OK

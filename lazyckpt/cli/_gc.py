@@ -1,0 +1,42 @@
+"""``lazyckpt gc``: delete old snapshots by a retention rule."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._tier import Retention, SupportsReferences
+from .._tiercall import call_tier
+from ._console import Console
+from ._location import opened
+from ._status import EXIT_OK
+from ._write import DEFAULT_POLICY, delete_step
+
+
+async def gc_command(args: argparse.Namespace, ui: Console) -> int:
+    """Delete the committed steps the retention rule does not keep (``--dry-run``: say so)."""
+    retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every)
+    # a writer: never beside a training job's own retention (the writer lock refuses it)
+    async with opened(args.location, write=not args.dry_run) as loc:
+        steps = await loc.tier.steps()
+        doomed = retention.to_delete(steps)
+        if args.dry_run:
+            for step in doomed:
+                ui.out(f"would delete step {step}")
+        else:
+            with ui.progress(len(doomed), "gc", unit="snapshots") as bar:
+                for step in doomed:
+                    await delete_step(loc.tier, step)
+                    ui.out(f"deleted step {step}")
+                    bar.advance(1)
+            if isinstance(loc.tier, SupportsReferences):
+                # data of deleted incremental steps that kept steps referred to stays
+                # (retired) until nothing refers to it: remove what nothing needs now
+                freed = await call_tier(
+                    loc.tier.name, "collect", loc.tier.collect, DEFAULT_POLICY
+                )
+                if freed:
+                    ui.out(f"removed the data of retired steps {', '.join(map(str, freed))}")
+    kept = len(steps) - len(doomed)
+    verb = "would keep" if args.dry_run else "kept"
+    ui.note(f"{verb} {kept} of {len(steps)} snapshots in {args.location}")
+    return EXIT_OK

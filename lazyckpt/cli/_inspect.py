@@ -1,0 +1,214 @@
+"""``lazyckpt ls`` and ``lazyckpt inspect``: what snapshots exist, and what one holds."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import CorruptionError, LazyCkptError, first_error
+from .._manifest import Manifest
+from .._progress import Progress, format_bytes
+from .._tree import JSON, decode_tree
+from ._console import Console, iso_time, local_time, table
+from ._location import opened, pick_steps
+from ._read import has_tag
+from ._status import EXIT_DAMAGE, EXIT_OK
+
+# manifests ``ls`` reads at once
+_MANIFEST_READS = 8
+
+
+async def ls_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt ls``: the committed steps of every location, merged by step."""
+    async with contextlib.AsyncExitStack() as stack:
+        locations = [await stack.enter_async_context(opened(spec)) for spec in args.locations]
+        kinds = [loc.kind for loc in locations]
+        labels = [loc.kind if kinds.count(loc.kind) == 1 else loc.spec for loc in locations]
+        listings = await asyncio.gather(*(loc.tier.steps() for loc in locations))
+        found: dict[int, list[int]] = {}
+        for i, steps in enumerate(listings):
+            for step in steps:
+                found.setdefault(step, []).append(i)
+        entries: dict[int, dict[str, Any]] = {}
+        # one manifest read per step: on an object store with many snapshots that is the
+        # long part, so a few run at once and the progress display counts them
+        sem = asyncio.Semaphore(_MANIFEST_READS)
+
+        async def describe(step: int, bar: Progress) -> None:
+            entry: dict[str, Any] = {
+                "step": step,
+                "tiers": [labels[i] for i in found[step]],
+                "locations": [locations[i].spec for i in found[step]],
+            }
+            problems = []
+            async with sem:
+                for i in found[step]:
+                    try:
+                        m = await locations[i].tier.read_manifest(step)
+                    except CorruptionError as exc:
+                        problems.append(f"{labels[i]}: {exc}")
+                        continue
+                    entry.update(
+                        bytes=m.tensor_bytes,
+                        stored_bytes=m.stream_bytes,
+                        tensors=len(m.tensors),
+                        shards=len(m.shards),
+                        created=iso_time(m.created),
+                        created_unix=m.created,
+                    )
+                    break
+            if problems:
+                entry["problems"] = problems
+            entries[step] = entry
+            bar.advance(1)
+
+        with ui.progress(len(found), "ls", unit="snapshots") as bar:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for step in found:
+                        tg.create_task(describe(step, bar))
+            except ExceptionGroup as group:
+                raise first_error(group) from None
+    listing = [entries[step] for step in sorted(entries)]
+    damaged = any("problems" in e for e in listing)
+    if args.json:
+        ui.out(json.dumps(listing, indent=2))
+    elif not listing:
+        ui.note(f"no committed snapshot in {', '.join(args.locations)}")
+    else:
+        rows = [["STEP", "SIZE", "TENSORS", "CREATED", "TIERS"]]
+        for e in listing:
+            if "bytes" in e:
+                rows.append(
+                    [
+                        str(e["step"]),
+                        format_bytes(e["bytes"]),
+                        str(e["tensors"]),
+                        local_time(e["created_unix"]),
+                        ", ".join(e["tiers"]),
+                    ]
+                )
+            else:
+                rows.append([str(e["step"]), "?", "?", "manifest damaged", ", ".join(e["tiers"])])
+        for line in table(rows, right=(0, 1, 2)):
+            ui.out(line)
+        for e in listing:
+            for problem in e.get("problems", []):
+                ui.note(f"step {e['step']}: {problem}")
+    return EXIT_DAMAGE if damaged else EXIT_OK
+
+
+@dataclass
+class _Node:
+    name: str
+    children: list[_Node] = field(default_factory=list)
+    tensor: int | None = None
+    value: str | None = None
+
+
+def _value_text(node: JSON, limit: int | None = 60) -> str:
+    try:
+        value = decode_tree(node, [], allow_pickle=False)
+    except LazyCkptError:
+        return "<pickled value>" if isinstance(node, dict) and "$pickle" in node else "<?>"
+    text = repr(value)
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _build_nodes(node: JSON, name: str) -> _Node:
+    """The tagged-JSON tree as named nodes, in the order the state was written. A container
+    of plain values short enough to read on one line (``betas = (0.9, 0.999)``) is a leaf."""
+    if isinstance(node, list | dict) and not has_tag(node, "$tensor"):
+        text = _value_text(node, limit=None)
+        if len(text) <= 60:
+            return _Node(name, value=text)
+    if isinstance(node, list):
+        return _Node(name, [_build_nodes(v, str(i)) for i, v in enumerate(node)])
+    if isinstance(node, dict) and len(node) == 1:
+        ((tag, inner),) = node.items()
+        if tag == "$tensor" and type(inner) is int:
+            return _Node(name, tensor=inner)
+        if tag == "$stateful":
+            return _build_nodes(inner, name)
+        # trainer state whose bytes are a tensor of the snapshot: shown as that tensor
+        if tag in ("$ndarray", "$generator") and isinstance(inner, list) and inner:
+            payload = inner[-1]
+            if isinstance(payload, dict) and type(payload.get("$tensor")) is int:
+                return _Node(name, tensor=payload["$tensor"])
+        if tag == "$dataclass" and isinstance(inner, list) and len(inner) == 2:
+            return _build_nodes(inner[1], name)
+        if tag == "$tuple" and isinstance(inner, list):
+            return _Node(name, [_build_nodes(v, str(i)) for i, v in enumerate(inner)])
+        if tag == "$dict" and isinstance(inner, list):
+            children = []
+            for item in inner:
+                key, value = item
+                label = key if isinstance(key, str) else _value_text(key)
+                children.append(_build_nodes(value, label))
+            return _Node(name, children)
+    return _Node(name, value=_value_text(node))
+
+
+def _render_nodes(root: _Node, manifest: Manifest) -> list[list[str]]:
+    rows: list[list[str]] = []
+
+    def visit(node: _Node, depth: int) -> None:
+        indent = "  " * depth
+        if node.tensor is not None:
+            meta = manifest.tensors[node.tensor]
+            if meta.alias_of is not None:
+                size = f"= {manifest.tensors[meta.alias_of].key}"
+            else:
+                size = format_bytes(meta.nbytes)
+            rows.append([indent + node.name, meta.dtype, str(list(meta.shape)), size])
+        elif node.value is not None:
+            rows.append([indent + node.name, f"= {node.value}"])
+        else:
+            rows.append([indent + node.name + "/", ""])
+            for child in node.children:
+                visit(child, depth + 1)
+
+    for child in root.children:
+        visit(child, 0)
+    return rows
+
+
+async def inspect_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt inspect``: the tree of keys of one step, with tensor sizes and values."""
+    async with opened(args.location) as loc:
+        (step,) = await pick_steps(loc, args.step)
+        m = await loc.tier.read_manifest(step)
+    if args.json:
+        doc = {
+            "step": m.step,
+            "created": iso_time(m.created),
+            "bytes": m.tensor_bytes,
+            "shards": len(m.shards),
+            "tensors": [
+                {
+                    "key": t.key,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "bytes": t.nbytes,
+                    "same_as": None if t.alias_of is None else m.tensors[t.alias_of].key,
+                }
+                for t in m.tensors
+            ],
+            "tree": m.tree,
+        }
+        ui.out(json.dumps(doc, indent=2))
+        return EXIT_OK
+    stored = sum(1 for t in m.tensors if t.alias_of is None)
+    ui.out(
+        f"step {m.step} in {loc}: {len(m.tensors)} tensors ({stored} stored), "
+        f"{format_bytes(m.tensor_bytes)} in {len(m.shards)} shards, created {local_time(m.created)}"
+    )
+    rows = _render_nodes(_build_nodes(m.tree, ""), m)
+    if rows:
+        for line in table([["KEY", "DTYPE", "SHAPE", "BYTES"], *rows], right=(3,)):
+            ui.out(line)
+    return EXIT_OK
