@@ -1,9 +1,11 @@
 """Writing your own tier: a toy object store, registered through the entry point.
 
-A tier is a subclass of :class:`lazyckpt.Tier` with a handful of coroutines. This one keeps
-"objects" in a dict shared by every instance with the same bucket name, the way a real object
-store outlives its clients: one object per shard, one manifest object written last as the
-commit marker (an object store PUT is atomic, renames are not).
+A tier is a subclass of :class:`lazyckpt.tier.Tier` with a handful of coroutines; everything
+a tier author needs comes from the one module ``lazyckpt.tier``. This one keeps "objects" in
+a dict shared by every instance with the same bucket name, the way a real object store
+outlives its clients: one object per shard, one manifest object written last as the commit
+marker (an object store PUT is atomic, renames are not). ``open()`` removes what a writer
+that died before its commit left: objects of a step that has no manifest.
 
 A package makes its tier discoverable with an entry point in its ``pyproject.toml``::
 
@@ -26,14 +28,23 @@ from pathlib import Path
 import torch
 
 import lazyckpt
+from lazyckpt.tier import (
+    CorruptionError,
+    Manifest,
+    ShardMeta,
+    SnapshotNotFoundError,
+    Tier,
+    TierClosedError,
+    TierLevel,
+)
 
 _BUCKETS: dict[str, dict[str, bytes]] = {}
 
 
-class DictStoreTier(lazyckpt.Tier):
+class DictStoreTier(Tier):
     """A toy object store tier: ``objects[key] = bytes``; committed = manifest present."""
 
-    level = lazyckpt.TierLevel.PFS
+    level = TierLevel.PFS
     default_name = "dictstore"
 
     def __init__(self, bucket: str, *, name: str | None = None, keep_last: int | None = None) -> None:
@@ -44,22 +55,29 @@ class DictStoreTier(lazyckpt.Tier):
     @property
     def _objects(self) -> dict[str, bytes]:
         if self._closed:
-            raise lazyckpt.TierClosedError("closed", tier=self.name)
+            raise TierClosedError("closed", tier=self.name)
         return _BUCKETS.setdefault(self.bucket, {})
 
     @staticmethod
     def _prefix(step: int) -> str:
         return f"step-{step:012d}/"
 
-    async def begin(self, manifest: lazyckpt.Manifest) -> None:
+    async def open(self) -> None:
+        """Remove the objects of steps without a manifest: a writer died before committing
+        them. The bucket holds nothing but this layout, so nothing else is touched."""
+        committed = {key.split("/")[0] for key in self._objects if key.endswith("/manifest.json")}
+        for key in [k for k in self._objects if k.split("/")[0] not in committed]:
+            del self._objects[key]
+
+    async def begin(self, manifest: Manifest) -> None:
         self._objects  # noqa: B018 - raises if closed
 
     async def put_shard(
-        self, manifest: lazyckpt.Manifest, shard: lazyckpt.ShardMeta, data: memoryview
+        self, manifest: Manifest, shard: ShardMeta, data: memoryview
     ) -> None:
         self._objects[f"{self._prefix(manifest.step)}shard-{shard.index}"] = bytes(data)
 
-    async def commit(self, manifest: lazyckpt.Manifest) -> None:
+    async def commit(self, manifest: Manifest) -> None:
         self._objects[f"{self._prefix(manifest.step)}manifest.json"] = manifest.to_json()
 
     async def abort(self, step: int) -> None:
@@ -73,19 +91,19 @@ class DictStoreTier(lazyckpt.Tier):
             int(key[5:17]) for key in self._objects if key.endswith("/manifest.json")
         )
 
-    async def read_manifest(self, step: int) -> lazyckpt.Manifest:
+    async def read_manifest(self, step: int) -> Manifest:
         try:
             data = self._objects[f"{self._prefix(step)}manifest.json"]
         except KeyError:
-            raise lazyckpt.SnapshotNotFoundError(f"step {step} not in {self.bucket!r}") from None
-        return lazyckpt.Manifest.from_json(data, source=f"{self.bucket}/step {step}")
+            raise SnapshotNotFoundError(f"step {step} not in {self.bucket!r}") from None
+        return Manifest.from_json(data, source=f"{self.bucket}/step {step}")
 
     async def read_shard(
-        self, manifest: lazyckpt.Manifest, shard: lazyckpt.ShardMeta, out: memoryview
+        self, manifest: Manifest, shard: ShardMeta, out: memoryview
     ) -> None:
         data = self._objects.get(f"{self._prefix(manifest.step)}shard-{shard.index}")
         if data is None or len(data) != len(out):
-            raise lazyckpt.CorruptionError(f"shard {shard.index} of step {manifest.step} is missing")
+            raise CorruptionError(f"shard {shard.index} of step {manifest.step} is missing")
         out[:] = data
 
     async def delete(self, step: int) -> None:

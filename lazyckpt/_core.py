@@ -144,7 +144,7 @@ class _Core:
             chosen = self.policy.choose(refs, self.owned_pointers())
             if chosen:
                 copy_eager(refs, chosen)
-            if any(r.dist is not None for r in refs):
+            if [r for r in refs if r.dist is not None]:
                 dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
                 assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
             manifest, nbytes = self._plan(step, tree, refs)
@@ -227,11 +227,11 @@ class _Core:
         ``snapshot()``'s cost."""
         # parallel tuples rather than one tuple per tensor: fewer objects for the collector
         signature = (
-            tuple(r.key for r in refs),
-            tuple(r.tensor.dtype for r in refs),
-            tuple(r.tensor.shape for r in refs),
-            tuple(r.alias_of for r in refs),
-            tuple(r.dist for r in refs),
+            tuple([r.key for r in refs]),
+            tuple([r.tensor.dtype for r in refs]),
+            tuple([r.tensor.shape for r in refs]),
+            tuple([r.alias_of for r in refs]),
+            tuple([r.dist for r in refs]),
         )
         pickled = self.options.allow_pickle and "$pickle" in _tags(tree)
         cached = self._plan_cache

@@ -155,3 +155,15 @@ def test_copy_retries_then_aborts_like_the_engine(tmp_path: Path, faulty: Module
     tier = faulty.BUILT[-1]
     assert tier.calls["put_shard"] == 4 and tier.calls["abort"] == 1
     assert [p.name for p in sorted(dst.glob("step-*"))] == ["step-000000000001"]
+
+
+def test_gc_retries_a_transient_delete_failure(tmp_path: Path, faulty: ModuleType) -> None:
+    root = tmp_path / "run"
+    with SyncCheckpointer([FileTier(root)], staging_bytes=1 << 20) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.snapshot({"w": torch.full((10,), float(step))}, step=step).wait()
+    faulty.FAULTS[:] = [("delete", 1)]
+    assert main(["gc", f"flaky://{root}", "--keep-last", "1", "-q"]) == EXIT_OK
+    (tier,) = faulty.BUILT
+    assert tier.calls["delete"] == 3  # steps 1 and 2, and step 1 once more
+    assert [p.name for p in sorted(root.glob("step-*"))] == ["step-000000000003"]

@@ -18,13 +18,20 @@ from lazyckpt._state import (
 )
 
 # where a shard is once durable on a tier of each level: the oracle, written out
-DURABLE = {TierLevel.LOCAL: ShardState.ON_LOCAL, TierLevel.PFS: ShardState.ON_PFS}
+DURABLE = {
+    TierLevel.LOCAL: ShardState.ON_LOCAL,
+    TierLevel.PEER: ShardState.ON_PEER,
+    TierLevel.PFS: ShardState.ON_PFS,
+}
 
 CHAINS = [
     [],
     [TierLevel.LOCAL],
     [TierLevel.PFS],
     [TierLevel.LOCAL, TierLevel.PFS],
+    [TierLevel.LOCAL, TierLevel.PEER, TierLevel.PFS],
+    [TierLevel.PEER, TierLevel.PFS],
+    [TierLevel.LOCAL, TierLevel.PEER],
 ]
 
 
@@ -75,7 +82,13 @@ def test_host_to_pfs_skips_local() -> None:
 
 @pytest.mark.parametrize(
     "levels",
-    [[TierLevel.PFS, TierLevel.LOCAL], [TierLevel.LOCAL, TierLevel.LOCAL], [TierLevel.HOST]],
+    [
+        [TierLevel.PFS, TierLevel.LOCAL],
+        [TierLevel.LOCAL, TierLevel.LOCAL],
+        [TierLevel.HOST],
+        [TierLevel.PFS, TierLevel.PEER],
+        [TierLevel.PEER, TierLevel.LOCAL],
+    ],
 )
 def test_bad_chains_are_refused(levels: list[TierLevel]) -> None:
     with pytest.raises(ConfigurationError):

@@ -1,4 +1,7 @@
-"""``lazyckpt copy``: copy committed snapshots between locations, checked both ways."""
+"""``lazyckpt copy``: copy committed snapshots between locations, checked both ways.
+
+An incremental step (one that refers to shards stored with earlier steps) is copied whole:
+each copied step is self-contained at the destination."""
 
 from __future__ import annotations
 
@@ -9,14 +12,10 @@ from .._errors import CorruptionError
 from .._manifest import Manifest
 from .._progress import format_bytes
 from ._console import Console
-from ._location import (
-    Location,
-    opened,
-    pick_steps,
-)
+from ._location import Location, opened, pick_steps
 from ._read import ShardReader
 from ._status import EXIT_OK
-from ._write import put_all, writing
+from ._write import delete_step, put_all, writing
 
 
 async def _readback(loc: Location, m: Manifest, ui: Console, jobs: int) -> list[str]:
@@ -31,6 +30,7 @@ async def _readback(loc: Location, m: Manifest, ui: Console, jobs: int) -> list[
 
 
 async def copy_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt copy``: copy each step, checked as read, then read back (see ``--help``)."""
     async with opened(args.src) as src, opened(args.dst, create=True) as dst:
         if args.step:
             steps = [s for step in args.step for s in await pick_steps(src, step)]
@@ -41,18 +41,20 @@ async def copy_command(args: argparse.Namespace, ui: Console) -> int:
             if step in present:
                 ui.note(f"step {step}: already on {dst}, left as it is")
                 continue
-            m = await src.tier.read_manifest(step)
-            m = replace(m, extra={**m.extra, "tier": dst.tier.describe()})
+            stored = await src.tier.read_manifest(step)
+            # an incremental step is read through its references but copied whole: the
+            # destination need not hold the steps it refers to
+            m = replace(stored.self_contained(), extra={**stored.extra, "tier": dst.tier.describe()})
             async with (
                 writing(dst.tier, m) as write,
-                ShardReader(src.tier, m, jobs=args.jobs) as reader,
+                ShardReader(src.tier, stored, jobs=args.jobs) as reader,
             ):
                 await put_all(write, None, reader, ui, f"copy step {step}", args.jobs)
                 await write.commit(m)
             if not args.no_readback:
                 problems = await _readback(dst, m, ui, args.jobs)
                 if problems:
-                    await dst.tier.delete(step)
+                    await delete_step(dst.tier, step)
                     raise CorruptionError(
                         f"{dst}: step {step} read back wrong, so it was removed again: "
                         + "; ".join(problems[:3])

@@ -37,6 +37,7 @@ FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def format_of(path: str, given: str | None) -> str:
+    """The format ``export`` writes: ``given``, else from the file name's suffix."""
     if given is not None:
         return given
     suffix = Path(path).suffix.lower()
@@ -51,6 +52,7 @@ def format_of(path: str, given: str | None) -> str:
 
 
 def sniff_format(path: Path) -> str:
+    """The format of a file to import, from its first bytes (zip or pickle: torch)."""
     with path.open("rb") as f:
         head = f.read(9)
     if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":

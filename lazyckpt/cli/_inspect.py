@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import CorruptionError, LazyCkptError
+from .._errors import CorruptionError, LazyCkptError, first_error
 from .._manifest import Manifest
 from .._progress import Progress, format_bytes
 from .._tree import JSON, decode_tree
@@ -17,13 +17,13 @@ from ._console import Console, iso_time, local_time, table
 from ._location import opened, pick_steps
 from ._read import has_tag
 from ._status import EXIT_DAMAGE, EXIT_OK
-from ._write import first_error
 
 # manifests ``ls`` reads at once
 _MANIFEST_READS = 8
 
 
 async def ls_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt ls``: the committed steps of every location, merged by step."""
     async with contextlib.AsyncExitStack() as stack:
         locations = [await stack.enter_async_context(opened(spec)) for spec in args.locations]
         kinds = [loc.kind for loc in locations]
@@ -66,7 +66,7 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
             entries[step] = entry
             bar.advance(1)
 
-        with ui.progress(len(found), "ls", unit="snapshots", enabled=bool(found)) as bar:
+        with ui.progress(len(found), "ls", unit="snapshots") as bar:
             try:
                 async with asyncio.TaskGroup() as tg:
                     for step in found:
@@ -178,6 +178,7 @@ def _render_nodes(root: _Node, manifest: Manifest) -> list[list[str]]:
 
 
 async def inspect_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt inspect``: the tree of keys of one step, with tensor sizes and values."""
     async with opened(args.location) as loc:
         (step,) = await pick_steps(loc, args.step)
         m = await loc.tier.read_manifest(step)

@@ -15,6 +15,7 @@ from ._status import (
 
 
 async def timeline_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt timeline``: draw an events file as a PNG."""
     from .. import timeline
 
     path = Path(args.events)

@@ -66,6 +66,7 @@ def _print_report(r: dict[str, Any], ui: Console) -> None:
 
 
 async def verify_command(args: argparse.Namespace, ui: Console) -> int:
+    """``lazyckpt verify``: check every shard of the chosen steps; 1 when any is damaged."""
     reports = []
     async with opened(args.location) as loc:
         for step in await pick_steps(loc, args.step, every=args.all):

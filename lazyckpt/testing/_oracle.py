@@ -17,12 +17,21 @@ __all__ = ["build_snapshot"]
 
 
 def build_snapshot(
-    step: int, state: dict[str, Any], *, shard_size: int = 1 << 14, pack_bytes: int = 2048
+    step: int,
+    state: dict[str, Any],
+    *,
+    shard_size: int = 1 << 14,
+    pack_bytes: int = 2048,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[Manifest, list[bytes]]:
     """A manifest (with checksums) and each shard's bytes for ``state``, computed in the
-    simplest possible way (no engine): an oracle for tier tests."""
+    simplest possible way (no engine): an oracle for tier tests. ``rank`` and
+    ``world_size`` make it one rank's part of a snapshot written by several ranks."""
     tree, refs = walk_state(state, allow_pickle=False)
-    manifest = plan_layout(step, tree, refs, LayoutOptions(shard_size, pack_bytes))
+    manifest = plan_layout(
+        step, tree, refs, LayoutOptions(shard_size, pack_bytes), rank=rank, world_size=world_size
+    )
     payloads = []
     for shard in manifest.shards:
         buf = bytearray(shard.length)

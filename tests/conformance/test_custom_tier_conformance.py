@@ -13,7 +13,7 @@ from lazyckpt import Tier
 from lazyckpt.testing import TierTests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from custom_tier import DictStoreTier
+from custom_tier import _BUCKETS, DictStoreTier
 
 
 class TestDictStoreTier(TierTests):
@@ -24,5 +24,16 @@ class TestDictStoreTier(TierTests):
 
     @pytest.fixture
     def make_tier(self) -> Callable[[], Tier]:
-        bucket = f"test-{uuid.uuid4().hex}"
-        return lambda: DictStoreTier(bucket)
+        self.bucket = f"test-{uuid.uuid4().hex}"
+        return lambda: DictStoreTier(self.bucket)
+
+    async def stored_names(self) -> set[str]:
+        return set(_BUCKETS.get(self.bucket, {}))
+
+    async def raw_steps(self, tier: Tier) -> list[int]:
+        # the oracle: a step is committed exactly when its manifest object exists
+        return sorted(
+            int(key.split("/")[0][len("step-") :])
+            for key in _BUCKETS.get(self.bucket, {})
+            if key.endswith("/manifest.json")
+        )

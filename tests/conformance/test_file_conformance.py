@@ -17,8 +17,11 @@ class TestFileTier(TierTests):
         self.root = tmp_path / "ckpt"
         return lambda: FileTier(self.root)
 
-    async def raw_steps(self, tier: Tier) -> list[int] | None:
+    async def raw_steps(self, tier: Tier) -> list[int]:
         return _listed(self.root)
+
+    async def stored_names(self) -> set[str]:
+        return {name for name, _ in _tree(self.root)} if self.root.exists() else set()
 
     async def plant_foreign(self) -> Callable[[], object]:
         # what a ZarrTier leaves: a root group and a committed step group

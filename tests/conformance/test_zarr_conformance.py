@@ -28,9 +28,12 @@ class TestZarrTierPath(TierTests):
         self.root = tmp_path / "zarr"
         return lambda: ZarrTier(self.root)
 
-    async def raw_steps(self, tier: Tier) -> list[int] | None:
+    async def raw_steps(self, tier: Tier) -> list[int]:
         index = self.root / "zarr.json"
         return _committed(index.read_bytes()) if index.exists() else []
+
+    async def stored_names(self) -> set[str]:
+        return {str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file()}
 
     async def plant_foreign(self) -> Callable[[], object]:
         # what a FileTier leaves: its marker and a committed step directory
@@ -71,7 +74,10 @@ class TestZarrTierS3(TierTests):
 
         return tier, exists
 
-    async def raw_steps(self, tier: Tier) -> list[int] | None:
+    async def stored_names(self) -> set[str]:
+        return set(self.location.keys())
+
+    async def raw_steps(self, tier: Tier) -> list[int]:
         client = self.location.server.client()
         key = f"{self.location.prefix}/zarr.json"
         stored = self.location.keys()
