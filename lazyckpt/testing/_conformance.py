@@ -70,6 +70,7 @@ import pytest
 import torch
 
 from .._errors import (
+    ConfigurationError,
     CorruptionError,
     ForeignLocationError,
     LazyCkptError,
@@ -97,6 +98,16 @@ class TierTests(CapabilityTests):
         assert isinstance(tier, Tier)
         assert isinstance(tier.name, str) and tier.name
         assert "secret" not in repr(tier.describe()).lower()
+
+    async def test_bind_hands_in_the_rank(self, make_tier: Callable[[], Tier]) -> None:
+        tier = make_tier()
+        assert (tier.rank, tier.world_size) == (0, 1)  # never bound: one process
+        tier.bind(1, 2)
+        assert (tier.rank, tier.world_size) == (1, 2)
+        for rank, world_size in ((2, 2), (-1, 2), (0, 0)):
+            with pytest.raises(ConfigurationError):
+                tier.bind(rank, world_size)
+        assert (tier.rank, tier.world_size) == (1, 2)
 
     async def test_empty_lists_nothing(self, make_tier: Callable[[], Tier]) -> None:
         async with self.opened(make_tier) as tier:
