@@ -412,10 +412,11 @@ def test_the_peer_replicas_example_runs() -> None:
 
     example = Path(__file__).resolve().parent.parent / "examples" / "peer_replicas.py"
     out = subprocess.run(
-        [sys.executable, str(example)], capture_output=True, text=True, timeout=400, check=False
+        [sys.executable, str(example), "--ranks-per-node", "1"],
+        capture_output=True, text=True, timeout=400, check=False,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "every rank restored bit for bit" in out.stdout
-    for rank in (2, 3):  # node b's ranks served node a's ranks' shards
+    for rank in (1,):  # node b's rank served node a's rank's shards
         line = next(x for x in out.stdout.splitlines() if x.startswith(f"  rank {rank} (node b) restored"))
         assert "served 0 shard" not in line
