@@ -109,10 +109,6 @@ class StateTable:
     transitions: Mapping[tuple[ShardState, Event], ShardState]
     terminal: ShardState
 
-    def state_of_level(self, level: TierLevel) -> ShardState:
-        """The state a shard is in once durable on a tier of ``level``."""
-        return _STATE_OF_LEVEL[level]
-
 
 def build_table(levels: Sequence[TierLevel]) -> StateTable:
     """Build the table for a chain of tier levels, host (staging) first.

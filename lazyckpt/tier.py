@@ -12,6 +12,8 @@ the optional capability protocols, checked with ``isinstance``:
   commit record).
 - :class:`SupportsRankManifests`: any rank's part of a step can be read (resharding
   restores, replicated tensors written once).
+- :class:`SupportsReferences`: the tier stores incremental snapshots (a shard may be read
+  from an earlier step's stored data; retention keeps what committed steps refer to).
 - :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
   copying it out (restores into device tensors straight from pinned memory).
 - :class:`SupportsRendezvous`: the tier meets the same tier on the other ranks once, after
@@ -51,6 +53,7 @@ from ._tier import (
     SupportsBlockRead,
     SupportsGlobalCommit,
     SupportsRankManifests,
+    SupportsReferences,
     SupportsStaging,
     Tier,
     available_tiers,
@@ -79,6 +82,7 @@ __all__ = [
     "SupportsBlockRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
+    "SupportsReferences",
     "SupportsRendezvous",
     "SupportsStaging",
     "TensorMeta",

@@ -27,9 +27,9 @@ from lazyckpt.testing._oracle import build_snapshot
 from lazyckpt.tier import SupportsRendezvous, node_identity, place_replicas
 from tiers import PeerTier
 
-WORKER = Path(__file__).parent / "peer_worker.py"
+WORKER = Path(__file__).parent / "helpers" / "peer_worker.py"
 sys.path.insert(0, str(Path(__file__).parent))
-from ranks import launch_ranks, rank_results  # noqa: E402
+from helpers.ranks import launch_ranks, rank_results  # noqa: E402
 
 WORLD = 4
 NODE_A, NODE_B = [0, 1], [2, 3]

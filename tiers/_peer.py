@@ -65,9 +65,10 @@ from typing import Any
 
 import crc32c
 
-from lazyckpt import (
+from lazyckpt.tier import (
     ConfigurationError,
     CorruptionError,
+    Exchange,
     LazyCkptError,
     Manifest,
     ShardMeta,
@@ -77,8 +78,10 @@ from lazyckpt import (
     TierClosedError,
     TierFullError,
     TierLevel,
+    backend_errors,
+    node_identity,
+    place_replicas,
 )
-from lazyckpt.tier import Exchange, node_identity, place_replicas
 
 from ._file import FileTier
 
@@ -457,21 +460,20 @@ class PeerTier(Tier):
         where = f"peer rank {holder} ({host}:{port}), {header['op']} step {header.get('step')}"
         conn = None
         try:
-            async with asyncio.timeout(self.timeout):
-                conn = await self._connection(holder)
-                await conn.send(header, payload)
-                reply, size = await conn.receive_header()
-                if into is not None and size == len(into) and "error" not in reply:
-                    await conn.receive_into(into)
-                    reply["into"], data = True, bytearray()
-                else:
-                    data = await conn.receive(size)
-                    reply["size"] = size
-        except (OSError, EOFError, TimeoutError, ValueError) as exc:
-            if conn is not None:
-                conn.close()
-            raise TierBrokenError(f"{where}: {exc!r}", tier=self.name) from exc
-        except BaseException:  # cancelled mid-request: the connection is out of step
+            # the one mapping of backend errors: a dropped connection, a timeout or a
+            # garbled frame is TierBrokenError (retried by the engine)
+            with backend_errors(self.name, where):
+                async with asyncio.timeout(self.timeout):
+                    conn = await self._connection(holder)
+                    await conn.send(header, payload)
+                    reply, size = await conn.receive_header()
+                    if into is not None and size == len(into) and "error" not in reply:
+                        await conn.receive_into(into)
+                        reply["into"], data = True, bytearray()
+                    else:
+                        data = await conn.receive(size)
+                        reply["size"] = size
+        except BaseException:  # failed or cancelled mid-request: the connection is out of step
             if conn is not None:
                 conn.close()
             raise
