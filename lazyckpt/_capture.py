@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import os
 import re
 import sys
@@ -49,6 +50,7 @@ __all__ = [
     "EagerPolicy",
     "VerifyingCapture",
     "block_checksum",
+    "block_digest",
     "check_versions",
     "default_checksum_threads",
     "optimizer_pointers",
@@ -107,9 +109,28 @@ def block_checksum(block: Block) -> int:
     return crc32c.crc32c(block.memoryview())
 
 
+def block_digest(block: Block) -> str:
+    """The 128-bit content digest of a block's bytes, as incremental snapshots compare them:
+    SHA-256 truncated to 128 bits, in hex. Blocking; ``hashlib`` releases the GIL.
+
+    A cryptographic hash, not the crc32c: two different shards have the same crc32c with
+    probability 2**-32, far too likely over millions of shard comparisons, and a crc32c
+    collision is easy to make on purpose. SHA-256 is chosen over BLAKE2b for speed: x86
+    (SHA-NI) and ARMv8 cores hash it in hardware, about twice BLAKE2b's rate here.
+    """
+    return hashlib.sha256(block.memoryview()).hexdigest()[:32]
+
+
+def block_checksums(block: Block, digest: bool) -> tuple[int, str | None]:
+    """The crc32c of a block and, with ``digest``, its :func:`block_digest`. Blocking."""
+    crc = block_checksum(block)
+    return crc, block_digest(block) if digest else None
+
+
 def default_checksum_threads() -> int:
-    """Half the cores, at most 8: crc32c runs at 10-20 GB/s per core, and a PCIe 5
-    device-to-host copy moves about 50 GB/s; the other half is left to training and I/O."""
+    """Half the cores, at most 8: a few cores' crc32c keep up with a device-to-host link
+    (the figures: ``docs/design.md``, "Figures behind choices in the code"); the other half
+    is left to training and I/O."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
@@ -152,6 +173,12 @@ class ChecksumPool:
         reading the block; it writes nothing."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, block_checksum, block)
+
+    async def checksums(self, block: Block, digest: bool) -> tuple[int, str | None]:
+        """The crc32c of the shard in ``block`` and, with ``digest``, its content digest
+        (incremental snapshots), in one pass of the pool. Cancelling it as :meth:`checksum`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, block_checksums, block, digest)
 
     async def checksum_bytes(self, data: memoryview) -> int:
         """The crc32c of ``data`` (a shard read back from a tier, for a restore or a
@@ -288,6 +315,7 @@ def copy_eager(refs: Sequence[TensorRef], chosen: Sequence[int]) -> int:
         else:
             ref.tensor = ref.tensor.detach().clone()
             copied += ref.tensor.numel() * ref.tensor.element_size()
+        ref.copied = True
         try:
             ref.version = ref.tensor._version
         except (RuntimeError, AttributeError):  # a copy made in inference mode has none

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -55,9 +55,11 @@ from ._flight import Flight, SnapshotStats
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._options import CheckpointerOptions
+from ._replica import join_peers
 from ._state import Event, StateTable, advance, build_table
-from ._tier import SupportsGlobalCommit, SupportsStaging, Tier
+from ._tier import SupportsGlobalCommit, SupportsReferences, SupportsStaging, Tier
 from ._tiercall import RetryPolicy, call_tier
+from ._tree import TensorRef
 
 __all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 
@@ -112,6 +114,19 @@ class Engine:
         self.loop = EngineLoop(use_uvloop=options.use_uvloop)  # started by open()
         self.capture: CaptureBackend = _default_capture(options)
         self.checksums = ChecksumPool(options.checksum_threads)
+        # incremental snapshots (see _reuse): digests are computed only where a tier can
+        # refer to stored data; per durable tier, the newest manifest this engine committed
+        # there (the base the next snapshots are compared with), how many flights in flight
+        # compare with each step (a pinned step is not deleted), and the steps being deleted
+        self.incremental = options.incremental
+        self.digesting = bool(options.incremental) and any(
+            isinstance(t, SupportsReferences) for t in self.durable
+        )
+        self.bases: list[Manifest | None] = [None] * len(self.durable)
+        self.pins: list[dict[int, int]] = [{} for _ in self.durable]
+        self._removing: list[set[int]] = [set() for _ in self.durable]
+        # incremental="versions": per shard index, what its last capture recorded
+        self._last_captures: dict[int, _Captured] = {}
         self.flights: dict[int, Flight] = {}
         self.protected: dict[int, int] = {}  # step -> restores in progress
         self._lock = threading.Lock()
@@ -137,6 +152,8 @@ class Engine:
         self.history: list[SnapshotStats] = []
         self.tier_bytes: dict[str, int] = dict.fromkeys(self.stage_names, 0)
         self.tier_seconds: dict[str, float] = dict.fromkeys(self.stage_names, 0.0)
+        self.tier_reused: dict[str, int] = dict.fromkeys(self.stage_names, 0)
+        self.uncaptured_bytes = 0  # incremental="versions": bytes not captured at all
 
     # -- life cycle (any thread) -----------------------------------------------------------
 
@@ -158,6 +175,8 @@ class Engine:
         await loop.run_in_executor(None, self.arena.allocate_memory)
         await asyncio.gather(*(t.open() for t in self.tiers))
         if self.coordinator is not None:
+            # tiers that keep replicas on other ranks meet their peers (_replica)
+            await join_peers(self.tiers, partial(self.coordinator.gather, 0))
             await self.coordinator.barrier()  # nobody writes before every rank cleaned up
         self._tier_sems = [asyncio.Semaphore(self.options.io_concurrency) for _ in self.durable]
         # retention: one pass at a time per tier; a pass not yet listing covers new commits
@@ -310,6 +329,11 @@ class Engine:
         return flight.failed_from is not None and stage >= flight.failed_from
 
     async def _run_flight(self, flight: Flight) -> None:
+        if self.digesting:
+            self._choose_bases(flight)
+            self._fingerprint(flight)
+            if self.incremental == "versions":
+                self._plan_uncaptured(flight)
         m = flight.manifest
         try:
             async with asyncio.TaskGroup() as tg:
@@ -326,6 +350,9 @@ class Engine:
                     for i, shard in enumerate(m.shards):
                         if self._failed_at(flight, 0):
                             break
+                        if i in flight.uncaptured:
+                            tg.create_task(self._uncaptured_flow(flight, i))
+                            continue
                         block = await self.arena.allocate(shard.length)
                         flight.blocks[i] = block
                         tg.create_task(self._shard_flow(flight, i, shard, block))
@@ -405,11 +432,14 @@ class Engine:
             flight.captured_count += 1
             if flight.captured_count == len(m.shards):
                 self._on_all_captured(flight)
-            crc = await self._checksum(flight, block)
-            if crc is None:
+            sums = await self._checksum(flight, block, flight.hashing[i] if flight.hashing else False)
+            if sums is None:
                 flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
                 return
+            crc, flight.digests[i] = sums
             flight.crcs[i] = crc
+            if self.digesting:
+                self._record_capture(flight, i)
             flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
             hooks.point("checksum.done")
             shard = replace(shard, crc32c=crc)
@@ -424,21 +454,29 @@ class Engine:
                 if not await flight.begun[k - 1] or self._failed_at(flight, k):
                     break
                 try:
-                    # the turn on the tier first, then the block: a shard queued behind a
-                    # slow tier holds no arena space it does not need yet
-                    async with self._tier_sems[k - 1]:
-                        if not holding:
-                            holding = self.arena.claim(block)
-                            if not holding:  # evicted: read it back from the previous tier
-                                block = await self._refetch(flight, shard, k - 1)
-                                holding = True
-                        t0 = time.perf_counter()
-                        data = block.memoryview()
-                        await self._guarded(
-                            k, f"put shard {i}", partial(tier.put_shard, m, shard, data)
-                        )
-                        self._count(k, shard.length, time.perf_counter() - t0)
-                    hooks.point("tier.put.done")
+                    if self._reuse(flight, k, i):
+                        # the tier holds these very bytes already: the manifest refers to them
+                        self.tier_reused[self.stage_names[k]] += shard.length
+                    else:
+                        # the turn on the tier first, then the block: a shard queued behind
+                        # a slow tier holds no arena space it does not need yet
+                        async with self._tier_sems[k - 1]:
+                            if not holding:
+                                holding = self.arena.claim(block)
+                                if not holding:  # evicted: read it back from the previous tier
+                                    block = await self._refetch(
+                                        flight,
+                                        replace(shard, stored_in=flight.stored_in[k - 1].get(i)),
+                                        k - 1,
+                                    )
+                                    holding = True
+                            t0 = time.perf_counter()
+                            data = block.memoryview()
+                            await self._guarded(
+                                k, f"put shard {i}", partial(tier.put_shard, m, shard, data)
+                            )
+                            self._count(k, shard.length, time.perf_counter() - t0)
+                        hooks.point("tier.put.done")
                 except Exception as exc:
                     self._fail(flight, k, exc)
                     break
@@ -446,7 +484,8 @@ class Engine:
                 if k == 1:
                     # durable now: the arena may reclaim it (the host tier keeps it meanwhile)
                     self.arena.mark_evictable(block, self._host_evicted if adopted else None)
-                self._release(block, adopted)
+                if holding:
+                    self._release(block, adopted)
                 holding = False
                 flight.persisted[k] += 1
                 if flight.persisted[k] == len(m.shards):
@@ -459,17 +498,210 @@ class Engine:
             if adopted is None:  # nobody keeps staging blocks once the shard is through
                 self.arena.discard(block)
 
-    async def _checksum(self, flight: Flight, block: Block) -> int | None:
-        """The crc32c of a captured shard's block; None once the snapshot failed (on this
-        checksum or any other shard's capture or checksum): no tier takes its shards then."""
+    async def _checksum(
+        self, flight: Flight, block: Block, digest: bool
+    ) -> tuple[int, str | None] | None:
+        """The crc32c of a captured shard's block (and, with ``digest``, its content
+        digest); None once the snapshot failed (on this checksum or any other shard's
+        capture or checksum): no tier takes its shards then."""
         if self._failed_at(flight, 0):
             return None
         try:
-            crc = await self.checksums.checksum(block)
+            if digest:
+                sums = await self.checksums.checksums(block, digest)
+            else:
+                sums = (await self.checksums.checksum(block), None)
         except Exception as exc:
             self._fail(flight, 0, exc)
             return None
-        return None if self._failed_at(flight, 0) else crc
+        return None if self._failed_at(flight, 0) else sums
+
+    # -- incremental snapshots -------------------------------------------------------------
+    #
+    # A shard is written to a tier only if its bytes differ from the same shard (same stream
+    # offset and length) of the flight's base there: the newest manifest this engine
+    # committed on that tier. "The same bytes" means the same crc32c *and* the same 128-bit
+    # SHA-256 digest; the crc32c alone would take a changed shard for an unchanged one once in
+    # 2**32 comparisons. The new manifest then names, in the shard's ``stored_in``, the step
+    # whose data holds those bytes (references are flattened: never a chain). The base is
+    # pinned while the flight runs, so retention does not delete it; the base's own
+    # references are to data that the (committed) base keeps alive on the tier.
+
+    def _choose_bases(self, flight: Flight) -> None:
+        """Pin, per durable tier, the committed manifest this flight is compared with."""
+        m = flight.manifest
+        flight.manifest = replace(m, extra={**m.extra, "incremental": True})
+        for k in range(1, len(self.stage_names)):
+            self._take_base(flight, k)
+
+    def _take_base(self, flight: Flight, stage: int) -> None:
+        """Compare the flight with the newest step committed on the tier, if that is newer
+        than its base so far (a flight started before its predecessor committed takes the
+        predecessor once it has). Every base a flight took stays pinned until it is done:
+        shards it already referred to may name steps only that base keeps alive."""
+        base = self.bases[stage - 1]
+        current = flight.bases[stage]
+        m = flight.manifest
+        if (
+            base is None
+            or (current is not None and base.step <= current.step)
+            or not isinstance(self.durable[stage - 1], SupportsReferences)
+            or base.step == m.step
+            or base.rank != m.rank
+            or base.step in self._removing[stage - 1]
+        ):
+            return
+        flight.bases[stage] = base
+        flight.pinned.append((stage, base))
+        self.pins[stage - 1][base.step] = self.pins[stage - 1].get(base.step, 0) + 1
+
+    def _unpin(self, flight: Flight) -> None:
+        for stage, base in flight.pinned:
+            pins = self.pins[stage - 1]
+            pins[base.step] -= 1
+            if not pins[base.step]:
+                del pins[base.step]
+        flight.pinned = []
+        flight.bases = [None] * len(flight.bases)
+
+    def _reuse(self, flight: Flight, stage: int, i: int) -> bool:
+        """Whether shard ``i`` is on the tier already (then the flight refers to it)."""
+        if i not in flight.uncaptured:  # a skipped shard keeps the base it was planned with
+            self._take_base(flight, stage)
+        base = flight.bases[stage]
+        digest = flight.digests[i]
+        if base is None or digest is None or i >= len(base.shards):
+            return False
+        had, shard = base.shards[i], flight.manifest.shards[i]
+        if (
+            had.digest != digest
+            or had.crc32c != flight.crcs[i]
+            or had.offset != shard.offset
+            or had.length != shard.length
+            or had.segments != shard.segments
+        ):
+            return False
+        # the same tensors there too (the usual case shares one planned tuple): so a tier
+        # that stores tensors by key (Zarr) finds this shard under the same names in the base
+        if base.tensors is not flight.manifest.tensors and any(
+            base.tensors[g.tensor] != flight.manifest.tensors[g.tensor] for g in shard.segments
+        ):
+            return False
+        flight.stored_in[stage][i] = base.step if had.stored_in is None else had.stored_in
+        return True
+
+    def _new_base(self, flight: Flight, stage: int) -> None:
+        """A flight committed on a durable tier: its manifest is the next snapshots' base."""
+        manifest = flight.committed_as[stage]
+        if stage == 0 or not self.digesting or manifest is None:
+            return
+        if not isinstance(self.durable[stage - 1], SupportsReferences):
+            return
+        current = self.bases[stage - 1]
+        if current is None or manifest.step > current.step:
+            self.bases[stage - 1] = manifest
+
+    def _in_use(self, stage: int) -> set[int]:
+        """The steps whose stored data flights in flight may refer to on a durable tier."""
+        keep: set[int] = set()
+        for flight in self.flights.values():
+            for pinned_at, base in flight.pinned:
+                if pinned_at == stage:
+                    keep.add(base.step)
+                    keep |= base.references()
+        return keep
+
+    async def _collect(self, tier: Tier, stage: int) -> None:
+        if isinstance(tier, SupportsReferences):
+            keep = self._in_use(stage)
+            await self._guarded(stage, "collect unreferenced data", partial(tier.collect, keep))
+
+    def _fingerprint(self, flight: Flight) -> None:
+        """What each shard's tensors look like now (storage, view, version counter), and
+        which shards to digest: all but those whose tensors' version counters moved since
+        their last capture. A moved counter means a write happened, so the shard is written
+        without comparing (a digest would almost never match); a counter that did not move
+        proves nothing (a write through ``.data`` does not move it), so those shards, and
+        those never captured before, are digested and compared byte for byte. A full
+        fine-tune thus costs no hashing after its first snapshot."""
+        m = flight.manifest
+        flight.prints = [_prints(shard, flight.refs) for shard in m.shards]
+        if self.incremental == "versions":
+            flight.holds = [
+                tuple(flight.refs[g.tensor].tensor for g in shard.segments) for shard in m.shards
+            ]
+        hashing = []
+        for i, shard in enumerate(m.shards):
+            last = self._last_captures.get(i)
+            moved = (
+                last is not None
+                and flight.prints[i] is not None
+                and last.offset == shard.offset
+                and last.length == shard.length
+                and last.prints != flight.prints[i]
+            )
+            hashing.append(not moved)
+        flight.hashing = hashing
+
+    def _plan_uncaptured(self, flight: Flight) -> None:
+        """``incremental="versions"``: the shards not to capture at all, because every
+        tensor in them has the version counter and storage it had at the shard's last
+        capture, and every durable tier's base holds that capture's bytes (see
+        docs/guarantees.md for when a version counter misses a write)."""
+        m = flight.manifest
+        if self.host_last or not self.durable or any(b is None for b in flight.bases[1:]):
+            return
+        for i, shard in enumerate(m.shards):
+            last = self._last_captures.get(i)
+            prints = flight.prints[i]
+            if (
+                last is None
+                or prints is None
+                or last.prints != prints
+                or last.offset != shard.offset
+                or last.length != shard.length
+            ):
+                continue
+            flight.crcs[i], flight.digests[i] = last.crc, last.digest
+            if all(self._reuse(flight, k, i) for k in range(1, len(self.stage_names))):
+                flight.uncaptured.add(i)
+                self.uncaptured_bytes += shard.length
+            else:
+                for refs in flight.stored_in:
+                    refs.pop(i, None)
+                flight.crcs[i], flight.digests[i] = 0, None
+
+    def _record_capture(self, flight: Flight, i: int) -> None:
+        prints = flight.prints[i] if flight.prints else None
+        shard = flight.manifest.shards[i]
+        if prints is None:
+            self._last_captures.pop(i, None)
+            return
+        self._last_captures[i] = _Captured(
+            shard.offset, shard.length, prints, flight.crcs[i], flight.digests[i],
+            flight.holds[i] if flight.holds else (),
+        )
+
+    async def _uncaptured_flow(self, flight: Flight, i: int) -> None:
+        """A shard not captured (see :meth:`_plan_uncaptured`): every durable tier refers
+        to the bytes its base holds; nothing is copied, checksummed or written."""
+        m = flight.manifest
+        flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+        flight.captured_count += 1
+        if flight.captured_count == len(m.shards):
+            self._on_all_captured(flight)
+        flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
+        flight.checksummed_count += 1
+        if flight.checksummed_count == len(m.shards):
+            await self._on_all_checksummed(flight)
+        for k in range(1, len(self.stage_names)):
+            if not await flight.begun[k - 1] or self._failed_at(flight, k):
+                break
+            self.tier_reused[self.stage_names[k]] += m.shards[i].length
+            flight.states[i] = advance(self.table, flight.states[i], Event.PERSISTED)
+            flight.persisted[k] += 1
+            if flight.persisted[k] == len(m.shards):
+                await self._commit(flight, k)
 
     def _release(self, block: Block, adopted: Block | None) -> None:
         """Drop the flow's hold; a block the host tier adopted stays for it, evictable."""
@@ -531,7 +763,12 @@ class Engine:
         tier = self.host if stage == 0 else self.durable[stage - 1]
         assert tier is not None
         manifest = flight.manifest.with_checksums(flight.crcs)
+        if self.digesting:
+            manifest = manifest.with_digests(flight.digests)
+            if stage > 0:
+                manifest = manifest.with_references(flight.stored_in[stage])
         manifest = replace(manifest, extra={**manifest.extra, "tier": tier.describe()})
+        flight.committed_as[stage] = manifest
         try:
             hooks.point("tier.commit.before")
             await self._guarded(stage, "commit", partial(tier.commit, manifest))
@@ -546,6 +783,7 @@ class Engine:
         if stage > 0 and self.coordinator is not None:
             flight.local_ok[stage] = True  # this rank's part; _coordinate decides the step
             return
+        self._new_base(flight, stage)
         self._resolve(flight, stage)
         self._retain(tier, stage)
 
@@ -602,6 +840,7 @@ class Engine:
                         await self._uncommit(tier, stage, flight.step)
                     raise
                 if all(done):
+                    self._new_base(flight, stage)
                     self._resolve(flight, stage)
                     self._retain(tier, stage)
                     continue
@@ -651,11 +890,16 @@ class Engine:
             async with self._retention_locks[stage - 1]:
                 self._retention_queued[stage - 1] = False  # commits from now on need a new pass
                 committed = await self._guarded(stage, "list", tier.steps)
+                deleted = False
                 for step in tier.retention.to_delete(committed):
-                    if step in self.protected or step in self.flights:
+                    # a step that flights in flight compare with stays until they are done
+                    if step in self.protected or step in self.flights or step in self.pins[stage - 1]:
                         continue
                     hooks.point("retention.before_delete")
-                    await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
+                    await self._delete(tier, stage, step)
+                    deleted = True
+                if deleted:
+                    await self._collect(tier, stage)
         except Exception as exc:
             log.warning("retention on %s failed: %s", tier.name, exc, extra={"tier": tier.name})
             err = exc if isinstance(exc, LazyCkptError) else TierBrokenError(str(exc), tier=tier.name)
@@ -670,7 +914,24 @@ class Engine:
             await self._guarded(0, f"delete step {step}", partial(tier.delete, step))
             return
         async with self._retention_locks[stage - 1]:
+            await self._delete(tier, stage, step)
+            await self._collect(tier, stage)
+
+    async def _delete(self, tier: Tier, stage: int, step: int) -> None:
+        """Delete a step on a durable tier (under its retention lock). No new flight takes
+        it for a base meanwhile, and the flights that compare with it finish first."""
+        removing = self._removing[stage - 1]
+        removing.add(step)
+        try:
+            for flight in list(self.flights.values()):
+                if any(s == stage and b.step == step for s, b in flight.pinned):
+                    await flight.done.wait()
             await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
+        finally:
+            removing.discard(step)
+            base = self.bases[stage - 1]
+            if base is not None and base.step == step:
+                self.bases[stage - 1] = None
 
     def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None:
         name = self.stage_names[stage]
@@ -722,6 +983,7 @@ class Engine:
                 )
                 self._finish_failed(flight, error, flight.failed_from)
         finally:
+            self._unpin(flight)
             self._settle_kept(flight)
             self.flights.pop(flight.step, None)
             self._record(flight)
@@ -779,6 +1041,8 @@ class Engine:
             "tiers": {
                 name: {
                     "bytes": self.tier_bytes[name],
+                    # incremental snapshots: bytes referred to instead of written
+                    "reused_bytes": self.tier_reused[name],
                     "busy_s": self.tier_seconds[name],
                     "throughput_bytes_per_s": (
                         self.tier_bytes[name] / self.tier_seconds[name]
@@ -792,6 +1056,7 @@ class Engine:
             "snapshots_in_flight": len(self.flights),
             "snapshots_skipped": self.skipped,
             "snapshots_failed": self.failed,
+            "capture_skipped_bytes": self.uncaptured_bytes,
             "arena": {
                 "capacity": arena.capacity,
                 "held": arena.held,
@@ -802,6 +1067,45 @@ class Engine:
             },
             "snapshots": [vars(s).copy() for s in self.history[-100:]],
         }
+
+
+@dataclass(frozen=True)
+class _Captured:
+    """What the last capture of a shard recorded (``incremental="versions"``)."""
+
+    offset: int
+    length: int
+    prints: tuple[Any, ...]
+    crc: int
+    digest: str | None
+    # the captured tensors themselves (views, no copy): while they live, no other tensor
+    # can be allocated at their address and be taken for them
+    holds: tuple[torch.Tensor, ...]
+
+
+def _print(ref: TensorRef) -> tuple[Any, ...] | None:
+    """What must be unchanged for a tensor's bytes to be taken as unchanged: its storage,
+    view and version counter as ``snapshot()`` recorded it; None if that is unknown (no
+    recorded version), the tensor is a copy taken at ``snapshot()`` (the eager policy: a
+    new tensor every time, whose counter says nothing about the state's own), or it is
+    trainable (``requires_grad``)."""
+    t = ref.tensor
+    if ref.version is None or ref.copied or t.requires_grad:
+        return None
+    return (
+        ref.key, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+        t.stride(), t.dtype, t.device, ref.version,
+    )
+
+
+def _prints(shard: ShardMeta, refs: Sequence[TensorRef]) -> tuple[tuple[Any, ...], ...] | None:
+    found = []
+    for seg in shard.segments:
+        p = _print(refs[seg.tensor])
+        if p is None:
+            return None
+        found.append((seg.tensor, seg.start, seg.stop, p))
+    return tuple(found)
 
 
 def _default_capture(options: CheckpointerOptions) -> CaptureBackend:

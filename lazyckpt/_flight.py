@@ -7,6 +7,9 @@ import concurrent.futures
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from ._arena import Block
 from ._manifest import Manifest
@@ -44,6 +47,21 @@ class Flight:
         n = len(manifest.shards)
         self.states = [ShardState.CAPTURED] * n
         self.crcs: list[int] = [0] * n
+        # incremental snapshots: each shard's content digest; per stage, the committed
+        # manifest its shards are compared with (the base, pinned while this flight runs),
+        # the shards it refers to instead of writing (index -> the step holding them), and
+        # which shards were not captured at all (unchanged since the last capture)
+        self.digests: list[str | None] = [None] * n
+        self.bases: list[Manifest | None] = [None] * len(tier_names)
+        self.pinned: list[tuple[int, Manifest]] = []  # (stage, base): every base it used
+        self.stored_in: list[dict[int, int]] = [{} for _ in tier_names]
+        self.uncaptured: set[int] = set()
+        # incremental="versions": per shard, what must stay unchanged to skip its next
+        # capture, and its tensors (see the engine's _Captured)
+        self.prints: list[tuple[Any, ...] | None] = []
+        self.holds: list[tuple[torch.Tensor, ...]] = []
+        self.hashing: list[bool] = []  # per shard: compute its digest (engine._fingerprint)
+        self.committed_as: list[Manifest | None] = [None] * len(tier_names)
         self.blocks: list[Block | None] = [None] * n
         self.captured_count = 0
         self.checksummed_count = 0

@@ -25,7 +25,7 @@ Manifest
 JSON, never pickle: ``docs/format.md`` documents every field. :func:`Manifest.from_json`
 validates everything it reads and raises :class:`CorruptionError` on any damage. Two
 spellings of one document: *rows* (a JSON object per tensor and per shard; format versions
-1 to 3) and *columns* (format version 4: one JSON list per field, the keys front-coded),
+1 to 4) and *columns* (format version 5: one JSON list per field, the keys front-coded),
 written for states of many tensors, where it is a fraction of the size and parses in a
 fraction of the time (no object per tensor in the JSON, the checks run over whole lists).
 """
@@ -61,9 +61,10 @@ __all__ = [
 ]
 
 # The newest this lazyckpt reads: 2 added the distributed fields, 3 the value-tree tags of
-# trainer state (numpy arrays, generators, dataclasses), 4 the column encoding.
-FORMAT_VERSION = 4
-# The column encoding (format version 4) is written for manifests of at least this many
+# trainer state (numpy arrays, generators, dataclasses), 4 the shards an incremental
+# snapshot refers to in an earlier step's stored data (``stored_in``), 5 the column encoding.
+FORMAT_VERSION = 5
+# The column encoding (format version 5) is written for manifests of at least this many
 # tensors; smaller ones keep the rows, which every earlier lazyckpt reads and a person can
 # read, and which are only a few KiB there.
 COMPACT_TENSORS = 256
@@ -78,6 +79,7 @@ PACK_ALIGN = 64
 
 Mode = Literal["pack", "rows", "flat", "alias", "empty", "replica"]
 _MODES = ("pack", "rows", "flat", "alias", "empty", "replica")
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
 _PLACEMENT = re.compile(r"^(replicate|shard\((\d{1,3})\))$")
 
 
@@ -191,6 +193,11 @@ class ShardMeta:
     kind: Literal["pack", "chunk"]
     segments: tuple[Segment, ...]
     crc32c: int | None = None
+    # incremental snapshots (docs/format.md): the 128-bit BLAKE2b digest of the shard's bytes
+    # (hex), and the earlier step whose stored data holds those bytes at the same offset
+    # (None: this step's own data)
+    digest: str | None = None
+    stored_in: int | None = None
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,33 @@ class Manifest:
             raise ValueError("one checksum per shard")
         shards = tuple(replace(s, crc32c=c) for s, c in zip(self.shards, crcs, strict=True))
         return replace(self, shards=shards)
+
+    def with_digests(self, digests: Sequence[str | None]) -> Manifest:
+        """The same manifest with every shard's 128-bit digest filled in (incremental)."""
+        if len(digests) != len(self.shards):
+            raise ValueError("one digest per shard")
+        shards = tuple(replace(s, digest=d) for s, d in zip(self.shards, digests, strict=True))
+        return replace(self, shards=shards)
+
+    def with_references(self, stored_in: dict[int, int]) -> Manifest:
+        """The same manifest with shard ``i``'s bytes found in step ``stored_in[i]``'s data."""
+        if not stored_in:
+            return self
+        shards = tuple(
+            replace(s, stored_in=stored_in[s.index]) if s.index in stored_in else s
+            for s in self.shards
+        )
+        return replace(self, shards=shards)
+
+    def references(self) -> frozenset[int]:
+        """The earlier steps whose stored data this step's shards are read from."""
+        return frozenset(s.stored_in for s in self.shards if s.stored_in is not None)
+
+    def self_contained(self) -> Manifest:
+        """The same manifest with no references (for writing every byte elsewhere)."""
+        if not self.references():
+            return self
+        return replace(self, shards=tuple(replace(s, stored_in=None) for s in self.shards))
 
     def segment_shape(self, seg: Segment) -> tuple[int, ...]:
         """The shape of the tensor piece a segment holds."""
@@ -261,6 +295,8 @@ class Manifest:
 
     def format_version(self) -> int:
         """The oldest format version that can express this manifest."""
+        if any(s.stored_in is not None for s in self.shards):
+            return 4  # an older reader would read the shard from this step's own data
         tree = json.dumps(self.tree, separators=(",", ":"), allow_nan=False)
         if any(tag in tree for tag in _V3_TAGS):
             return 3
@@ -272,8 +308,8 @@ class Manifest:
         """Encode as UTF-8 JSON (stable key order).
 
         Args:
-            compact: write the column encoding (format version 4) rather than the rows
-                (versions 1 to 3). ``None``, the default, writes it for manifests of at
+            compact: write the column encoding (format version 5) rather than the rows
+                (versions 1 to 4). ``None``, the default, writes it for manifests of at
                 least :data:`COMPACT_TENSORS` tensors, so that smaller ones stay readable by
                 earlier lazyckpt versions.
         """
@@ -294,17 +330,7 @@ class Manifest:
             "pickled": self.pickled,
             "extra": self.extra,
             "tensors": [_tensor_doc(t) for t in self.tensors],
-            "shards": [
-                {
-                    "index": s.index,
-                    "offset": s.offset,
-                    "length": s.length,
-                    "kind": s.kind,
-                    "crc32c": s.crc32c,
-                    "segments": [[g.tensor, g.offset, g.start, g.stop] for g in s.segments],
-                }
-                for s in self.shards
-            ],
+            "shards": [_shard_doc(s) for s in self.shards],
             "tree": self.tree,
         }
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False)
@@ -326,6 +352,23 @@ class Manifest:
             raise CorruptionError(f"{source}: {exc}") from exc
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise CorruptionError(f"{source} is damaged: {exc!r:.200}") from exc
+
+
+def _shard_doc(s: ShardMeta) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "index": s.index,
+        "offset": s.offset,
+        "length": s.length,
+        "kind": s.kind,
+        "crc32c": s.crc32c,
+        "segments": [[g.tensor, g.offset, g.start, g.stop] for g in s.segments],
+    }
+    # absent unless the snapshot is incremental: other manifests stay as they were
+    if s.digest is not None:
+        doc["digest"] = s.digest
+    if s.stored_in is not None:
+        doc["stored_in"] = s.stored_in
+    return doc
 
 
 def _tensor_doc(t: TensorMeta) -> dict[str, Any]:
@@ -423,6 +466,12 @@ def _decode_manifest(doc: Any, raw: bytes | None = None) -> Manifest:
             if tensor >= len(tensors) or stop < start:
                 raise CorruptionError(f"bad segment {g!r:.60}")
             segments.append(Segment(tensor, offset, start, stop))
+        digest = s.get("digest")
+        if digest is not None and (not isinstance(digest, str) or not _DIGEST.match(digest)):
+            raise CorruptionError(f"shard {i}: bad digest {digest!r:.40}")
+        stored_in = _int(s, "stored_in") if "stored_in" in s else None
+        if stored_in is not None and stored_in == doc["step"]:
+            raise CorruptionError(f"shard {i} refers to its own step")
         shard = ShardMeta(
             index=i,
             offset=_int(s, "offset"),
@@ -430,6 +479,8 @@ def _decode_manifest(doc: Any, raw: bytes | None = None) -> Manifest:
             kind=s["kind"],
             segments=tuple(segments),
             crc32c=crc,
+            digest=digest,
+            stored_in=stored_in,
         )
         if shard.offset + shard.length > stream:
             raise CorruptionError(f"shard {i} lies outside the stream")
@@ -506,7 +557,7 @@ def _decode_dist(t: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
     return found
 
 
-# -- the column encoding (format version 4) ----------------------------------------------------
+# -- the column encoding (format version 5) ----------------------------------------------------
 #
 # The same document as the rows, with "tensors" and "shards" each an object of parallel
 # lists (docs/format.md lists them). Lists of small integers are a few bytes an entry and
@@ -514,7 +565,7 @@ def _decode_dist(t: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
 # and tensor indices) are stored as differences from the previous entry, and each key as the
 # number of leading characters it shares with the previous key plus the rest.
 
-_COLUMNS_VERSION = 4
+_COLUMNS_VERSION = 5
 _MODE_LETTERS = {"pack": "p", "rows": "r", "flat": "f", "alias": "a", "empty": "e", "replica": "x"}
 _LETTER_MODES: dict[str, Mode] = {v: k for k, v in _MODE_LETTERS.items()}  # type: ignore[misc]
 _KIND_LETTERS = {"pack": "p", "chunk": "c"}
@@ -532,7 +583,9 @@ _COLUMN_FIELDS = {
         "key", "dtype", "shape", "mode", "shards", "chunk", "offset", "alias_of",
         "global_shape", "global_offset", "placements", "writer",
     ),
-    "ShardMeta": ("index", "offset", "length", "kind", "segments", "crc32c"),
+    "ShardMeta": (
+        "index", "offset", "length", "kind", "segments", "crc32c", "digest", "stored_in"
+    ),
     "Segment": ("tensor", "offset", "start", "stop"),
 }
 _COLUMNS_HOLD_EVERY_FIELD = all(
@@ -633,7 +686,16 @@ def _shard_columns(shards: tuple[ShardMeta, ...]) -> str:
         if len(_SHARD_COLUMNS) >= 4:
             _SHARD_COLUMNS.clear()
         hit = _SHARD_COLUMNS[layout] = (tuple(s.segments for s in shards), text)
-    return f'{hit[1][:-1]},"crc32c":{_dumps([s.crc32c for s in shards])}}}'
+    # the digests and references of an incremental snapshot change with every snapshot (and
+    # are absent otherwise): sparse [index, value] entries after the checksums
+    digests = [[s.index, s.digest] for s in shards if s.digest is not None]
+    stored = [[s.index, s.stored_in] for s in shards if s.stored_in is not None]
+    extra = ""
+    if digests:
+        extra += f',"digest":{_dumps(digests)}'
+    if stored:
+        extra += f',"stored_in":{_dumps(stored)}'
+    return f'{hit[1][:-1]},"crc32c":{_dumps([s.crc32c for s in shards])}{extra}}}'
 
 
 def _columns_json(m: Manifest) -> bytes:
@@ -713,7 +775,7 @@ def _decode_columns(doc: dict[str, Any]) -> Manifest:
     """Rebuild a manifest from the column encoding, checking what the row decoder checks."""
     cols, scols = doc["tensors"], doc["shards"]
     if type(cols) is not dict or type(scols) is not dict:
-        raise CorruptionError("format 4 keeps 'tensors' and 'shards' as objects of columns")
+        raise CorruptionError("format 5 keeps 'tensors' and 'shards' as objects of columns")
     n, nshards = _int(cols, "count"), _int(scols, "count")
     stream, rank, world_size = (
         _int(doc, "stream_bytes"), _int(doc, "rank"), _int(doc, "world_size", minimum=1)
@@ -825,6 +887,19 @@ def _decode_columns(doc: dict[str, Any]) -> Manifest:
     seg_start = _column(scols, "segment_start", total)
     seg_length = _column(scols, "segment_length", total)
 
+    digests: list[str | None] = [None] * nshards
+    for j, digest, *_ in _pairs(scols, "digest", nshards) if "digest" in scols else ():
+        if not isinstance(digest, str) or not _DIGEST.match(digest):
+            raise CorruptionError(f"shard {j}: bad digest {digest!r:.40}")
+        digests[j] = digest
+    stored_in: list[int | None] = [None] * nshards
+    for j, where, *_ in _pairs(scols, "stored_in", nshards) if "stored_in" in scols else ():
+        if type(where) is not int or where < 0:
+            raise CorruptionError(f"shard {j}: bad stored_in {where!r:.20}")
+        if where == doc["step"]:
+            raise CorruptionError(f"shard {j} refers to its own step")
+        stored_in[j] = where
+
     shards: list[ShardMeta] = []
     at = 0
     for j in range(nshards):
@@ -840,7 +915,10 @@ def _decode_columns(doc: dict[str, Any]) -> Manifest:
             segments.append(Segment(tensor, offset, start, start + count))
         at += nsegments[j]
         shards.append(
-            ShardMeta(j, starts[j], lengths[j], _LETTER_KINDS[kinds[j]], tuple(segments), crcs[j])
+            ShardMeta(
+                j, starts[j], lengths[j], _LETTER_KINDS[kinds[j]], tuple(segments), crcs[j],
+                digests[j], stored_in[j],
+            )
         )
     return Manifest(
         step=_int(doc, "step"),

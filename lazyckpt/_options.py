@@ -95,6 +95,16 @@ class CheckpointerOptions:
             ``docs/guarantees.md`` ("Preemption").
         preemption_grace: seconds the preemption handler drains at most (most schedulers
             kill 30 s after the notice).
+        incremental: write to a durable tier only the shards whose bytes differ from its
+            newest committed snapshot (frozen weights, adapters, sparse updates); a step's
+            manifest refers to the stored copy of the others and stays restorable on its
+            own. ``True``: every shard is still captured, and compared by its crc32c and a
+            128-bit SHA-256 digest. ``"versions"``: in addition, a shard whose tensors all
+            have the version counter and storage of their last capture (and do not require
+            grad) is not captured at all; a write that bypasses the version counter
+            (through ``.data``, a numpy view, a custom kernel) is then missed. Tiers that
+            cannot refer to stored data (see ``lazyckpt.tier.SupportsReferences``) get
+            every shard. See ``docs/guarantees.md`` ("Incremental snapshots").
     """
 
     shard_size: int | None = None
@@ -118,6 +128,7 @@ class CheckpointerOptions:
     exit_timeout: float = 10.0
     preemption_signals: tuple[signal.Signals, ...] = ()
     preemption_grace: float = 25.0
+    incremental: bool | Literal["versions"] = False
 
     def __post_init__(self) -> None:
         if self.shard_size is not None:
@@ -148,6 +159,8 @@ class CheckpointerOptions:
         object.__setattr__(self, "preemption_signals", _signals(self.preemption_signals))
         _seconds("preemption_grace", self.preemption_grace, positive=True)
         object.__setattr__(self, "preemption_grace", float(self.preemption_grace))
+        if type(self.incremental) is not bool and self.incremental != "versions":
+            raise _bad("incremental", "False, True or 'versions'", self.incremental)
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> CheckpointerOptions:

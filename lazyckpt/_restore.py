@@ -405,8 +405,9 @@ def apply_into(into: Any, restored: Any, key: str = "") -> None:
 
 def _stateful(obj: Any) -> bool:
     """A Stateful object that is not a mapping (a module, an optimizer). Plain dicts and
-    tensors are answered at once: the Protocol's isinstance costs tens of µs, and a state
-    of 100,000 tensors asks once per container and per tensor."""
+    tensors are answered at once: the Protocol's isinstance is slow, and it would be asked
+    once per container and per tensor (``docs/design.md``, "Figures behind choices in the
+    code")."""
     if type(obj) in _NEVER_STATEFUL or obj is None:
         return False
     return isinstance(obj, Stateful) and not isinstance(obj, Mapping)

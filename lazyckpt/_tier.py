@@ -18,7 +18,7 @@ import abc
 import contextlib
 import errno
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -42,6 +42,7 @@ __all__ = [
     "SupportsBlockRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
+    "SupportsReferences",
     "SupportsStaging",
     "Tier",
     "available_tiers",
@@ -297,6 +298,29 @@ class SupportsRankManifests(Protocol):
     """
 
     async def read_rank_manifest(self, step: int, rank: int) -> Manifest: ...
+
+
+@runtime_checkable
+class SupportsReferences(Protocol):
+    """A tier that stores incremental snapshots (``Checkpointer(incremental=True)``).
+
+    A shard of a committed manifest may name, in ``ShardMeta.stored_in``, an earlier step
+    whose stored data holds its bytes, at the same place (the same stream offset, in the
+    data of the same rank). The engine then calls no ``put_shard`` for it. Such a tier:
+
+    - ``read_shard(m, shard, out)`` reads a referring shard from the step it names;
+    - ``delete(step)`` un-commits the step but keeps its stored data while any committed
+      step refers to it;
+    - :meth:`collect` removes the stored data that nothing needs any more;
+    - ``begin(m)`` refuses a step number whose stored data a committed step refers to;
+    - ``open()`` sweeps what a crash left only when no committed step refers to it.
+    """
+
+    async def collect(self, keep: Collection[int] = ()) -> list[int]:
+        """Remove the stored data of every step that is not committed, that no committed
+        step refers to, and that is not in ``keep`` (the steps snapshots still in flight
+        refer to); the steps whose data was removed, ascending."""
+        ...
 
 
 def translate_os_error(

@@ -127,6 +127,8 @@ class TensorRef:
     alias_of: int | None = None
     dist: DistInfo | None = None
     dtensor: torch.Tensor | None = None
+    # ``tensor`` is a copy taken at snapshot() (the eager policy), not the state's own
+    copied: bool = False
 
 
 # numpy arrays at most this big are stored in the manifest's JSON (np.random.get_state()'s
@@ -204,8 +206,8 @@ class KeyCache:
     Args:
         limit: entries kept per table before it is cleared and refilled. The default has
             room for the keys of a state of some 250,000 tensors; a state with more keys
-            than the limit pays the full per-key cost on every walk (see
-            ``docs/benchmarks.md``).
+            than the limit pays the full per-key cost on every walk (``docs/design.md``,
+            "Figures behind choices in the code").
     """
 
     def __init__(self, limit: int = 1 << 18) -> None:

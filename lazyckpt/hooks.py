@@ -11,7 +11,8 @@ with no sleeping and no guessing.
 Points: ``capture.done``, ``checksum.done``, ``tier.put.done``, ``tier.commit.before``,
 ``tier.commit.after``, ``file.write.before_sync``, ``file.commit.before_manifest``,
 ``file.commit.before_rename``, ``file.commit.after_rename``, ``file.delete.after_unlink``,
-``zarr.delete_dir.before_remove``, ``retention.before_delete``.
+``file.delete.retired``, ``file.collect.before_remove``, ``zarr.delete_dir.before_remove``,
+``retention.before_delete``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ POINTS = (
     "file.commit.before_rename",
     "file.commit.after_rename",
     "file.delete.after_unlink",
+    "file.delete.retired",
+    "file.collect.before_remove",
     "zarr.delete_dir.before_remove",
     "retention.before_delete",
 )

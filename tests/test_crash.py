@@ -25,10 +25,10 @@ import lazyckpt.testing
 from lazyckpt.hooks import POINTS
 
 sys.path.insert(0, str(Path(__file__).parent))
-from crash_child import durable_tier, state_of
+from helpers.crash_child import durable_tier, incremental_state_of, state_of
 
 KILLS = int(os.environ.get("LAZYCKPT_SOAK_KILLS", "20"))
-CHILD = Path(__file__).parent / "crash_child.py"
+CHILD = Path(__file__).parent / "helpers" / "crash_child.py"
 TIERS = ["file"] + (["zarr"] if "zarr" in lazyckpt.available_tiers() else [])
 
 
@@ -115,6 +115,60 @@ async def test_kill_anywhere_keeps_the_last_commit(kind: str, tmp_path: Path) ->
         on_disk = sorted(p.name for p in (tmp_path / "file").glob("step-*"))
         assert on_disk == [f"step-{s:012d}" for s in listed]
     print(f"{kind}: kills survived by point: {dict(survived)}")
+
+
+# the points where an incremental snapshot's references are at stake: its commit, the
+# retention that retires referenced steps and collects them, and a kill from outside
+INCREMENTAL_POINTS = [
+    p for p in POINTS if p.startswith(("file.", "tier.", "retention."))
+]
+
+
+async def check_references(root: Path) -> list[int]:
+    """Open the file tier as a restarted writer would (sweeping what a crash left): every
+    listed step restores bit for bit, and every step directory left on disk is listed or
+    holds data a listed step refers to."""
+    tier = durable_tier(root, "file")
+    async with lazyckpt.Checkpointer([tier]) as ckpt:
+        steps = await ckpt.steps()
+        referred: set[int] = set()
+        for step in steps:
+            referred |= (await tier.read_manifest(step)).references()
+            assert equal(await ckpt.restore(step=step), incremental_state_of(step)), (
+                f"step {step} differs"
+            )
+    assert referred <= set(range(max(steps, default=0)))  # references go back in time
+    on_disk = {int(p.name[5:]) for p in (root / "file").glob("step-*")}
+    assert on_disk <= set(steps) | referred, f"unreferenced data left: {on_disk - set(steps) - referred}"
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["1", "versions"])
+async def test_kill_anywhere_keeps_incremental_steps_whole(mode: str, tmp_path: Path) -> None:
+    """Incremental snapshots under kills: a committed step never refers to data that was
+    deleted or half written, whatever the point of the kill (commit, retention's retiring
+    and collecting, or a random moment), and nothing unreferenced survives a restart."""
+    rng = random.Random(77)
+    latest: int | None = None
+    reached = 0
+    for trial in range(max(6, KILLS // 4)):
+        env = dict(os.environ, LAZYCKPT_CHILD_INCREMENTAL=mode)
+        kill_after = None
+        if trial % 4 == 3:
+            kill_after = rng.uniform(0.5, 3.0)
+            env.pop("LAZYCKPT_CRASH_AT", None)
+        else:
+            point = INCREMENTAL_POINTS[trial % len(INCREMENTAL_POINTS)]
+            env["LAZYCKPT_CRASH_AT"] = f"{point}:{rng.randint(1, 8)}"
+        first = latest + 1 if latest is not None else 0
+        code = run_child(tmp_path, "file", first, env, kill_after, wait="committed")
+        reached += code != 0
+        steps = await check_references(tmp_path)
+        if latest is not None:
+            assert steps and steps[-1] >= latest, "a committed step was lost"
+        latest = steps[-1] if steps else latest
+    assert reached >= 2  # most trials really were killed
 
 
 def test_sigkill_mid_flush_keeps_previous_step(tmp_path: Path) -> None:
@@ -219,8 +273,8 @@ async def test_two_writers_and_a_foreign_one_harm_nothing(kind: str, tmp_path: P
 
 # a few kills per integration in `make test`, many more in `make soak`
 INTEGRATION_KILLS = max(3, KILLS // 6)
-DCP_CHILD = Path(__file__).parent / "crash_child_dcp.py"
-DS_CHILD = Path(__file__).parent / "crash_child_deepspeed.py"
+DCP_CHILD = Path(__file__).parent / "helpers" / "crash_child_dcp.py"
+DS_CHILD = Path(__file__).parent / "helpers" / "crash_child_deepspeed.py"
 
 
 def run_and_read(
@@ -416,7 +470,7 @@ def test_kill_while_latest_is_written_under_deepspeed(tmp_path: Path) -> None:
     assert check_deepspeed(tmp_path) == 2
 
 
-LIGHTNING_CHILD = Path(__file__).parent / "crash_child_lightning.py"
+LIGHTNING_CHILD = Path(__file__).parent / "helpers" / "crash_child_lightning.py"
 
 
 @pytest.mark.slow
@@ -425,7 +479,7 @@ def test_kill_under_lightning_every_pointer_file_loads(tmp_path: Path) -> None:
     ``last.ckpt``, older files removed), killed anywhere: every pointer file left loads bit for bit, and
     ``last.ckpt`` never moves back."""
     pytest.importorskip("lightning_fabric", reason="Lightning is not installed")
-    from crash_child_lightning import checkpoint_of
+    from helpers.crash_child_lightning import checkpoint_of
 
     from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
     from tiers import FileTier
@@ -465,7 +519,7 @@ def test_lightning_last_ckpt_survives_a_kill_before_its_next_step_commits(tmp_pa
     which the file on disk names, before step 1 is committed and the file rewritten; the
     writer is killed just before step 1's commit."""
     pytest.importorskip("lightning_fabric", reason="Lightning is not installed")
-    from crash_child_lightning import checkpoint_of
+    from helpers.crash_child_lightning import checkpoint_of
 
     from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
     from tiers import FileTier

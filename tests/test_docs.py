@@ -57,7 +57,7 @@ async def test_format_md_numpy_reader_of_columns(tmp_path: Path) -> None:
         exec(snippet("format.md", "itertools.accumulate"), scope)
     finally:
         os.chdir(cwd)
-    assert scope["m"]["format_version"] == 4  # type: ignore[index]
+    assert scope["m"]["format_version"] == 5  # type: ignore[index]
     assert np.array_equal(np.asarray(scope["ln_bias"]), bias.numpy())
 
 

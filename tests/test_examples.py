@@ -28,8 +28,15 @@ def test_custom_tier_example() -> None:
     assert "restored bit for bit" in out
 
 
+def test_lora_incremental_example() -> None:
+    for mode in ("true", "versions"):
+        out = run(str(EXAMPLES / "lora_incremental.py"), "--mode", mode, "--layers", "2", "--steps", "8")
+        assert "every kept step restored bit for bit (5 steps)" in out
+        assert "retired: ['step-000000000000']" in out
+
+
 def test_every_example_is_covered() -> None:
-    covered = {"train_gpt.py", "custom_tier.py"}
+    covered = {"train_gpt.py", "custom_tier.py", "lora_incremental.py"}
     present = {p.name for p in EXAMPLES.glob("*.py")}
     assert present <= covered | _covered_elsewhere(), present - covered
 

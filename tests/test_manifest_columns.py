@@ -57,8 +57,8 @@ def test_columns_and_rows_decode_to_the_same_manifest(
     state["meta"] = {"epoch": 3, "lr": [1e-3, float("inf")]}
     m = _plan(state)
     compact, rows = m.to_json(compact=True), m.to_json(compact=False)
-    assert json.loads(compact)["format_version"] == 4
-    assert json.loads(rows)["format_version"] < 4
+    assert json.loads(compact)["format_version"] == 5
+    assert json.loads(rows)["format_version"] < 5
     assert Manifest.from_json(compact) == Manifest.from_json(rows) == m
     # another encoder's spelling (a Zarr attribute is re-encoded) is read too
     assert Manifest.from_json(json.dumps(json.loads(compact), indent=1)) == m
@@ -68,7 +68,7 @@ def test_many_tensors_get_the_columns_and_few_keep_the_rows() -> None:
     few = _plan({f"t{i}": torch.zeros(2) for i in range(COMPACT_TENSORS - 1)})
     many = _plan({f"t{i}": torch.zeros(2) for i in range(COMPACT_TENSORS)})
     assert json.loads(few.to_json())["format_version"] == 1
-    assert json.loads(many.to_json())["format_version"] == 4
+    assert json.loads(many.to_json())["format_version"] == 5
     assert len(many.to_json()) < len(many.to_json(compact=False)) / 2
 
 
@@ -77,6 +77,36 @@ def test_a_field_the_columns_do_not_know_keeps_the_rows(monkeypatch: pytest.Monk
     monkeypatch.setattr(_manifest, "_COLUMNS_HOLD_EVERY_FIELD", False)
     assert json.loads(m.to_json())["format_version"] == 1
     assert json.loads(m.to_json(compact=True))["format_version"] == 1
+
+
+def test_incremental_fields_round_trip_in_columns() -> None:
+    m = _plan({f"t{i}": torch.full((300,), float(i)) for i in range(COMPACT_TENSORS)})
+    assert len(m.shards) > 2
+    digested = replace(
+        m,
+        shards=tuple(
+            replace(s, digest=f"{s.index:032x}") if s.index % 2 else s for s in m.shards
+        ),
+    )
+    refers = digested.with_references({1: 3, len(m.shards) - 1: 5})
+    encoded = refers.to_json()
+    doc = json.loads(encoded)
+    assert doc["format_version"] == 5
+    assert doc["shards"]["stored_in"] == [[1, 3], [len(m.shards) - 1, 5]]
+    assert Manifest.from_json(encoded) == refers
+    # the same references in the rows, which an older reader of format 4 understands
+    rows = json.loads(refers.to_json(compact=False))
+    assert rows["format_version"] == 4
+    assert Manifest.from_json(refers.to_json(compact=False)) == refers
+
+
+@pytest.mark.parametrize("damage", [[[0, 7]], [[0, "3"]], [[0, -1]], [[10**6, 3]]])
+def test_damaged_references_in_columns_are_corruption(damage: list[list[Any]]) -> None:
+    m = _plan({f"t{i}": torch.zeros(300) for i in range(COMPACT_TENSORS)})
+    doc = json.loads(m.to_json())
+    doc["shards"]["stored_in"] = damage  # step 7 is the manifest's own step
+    with pytest.raises(CorruptionError):
+        Manifest.from_json(_encode(doc))
 
 
 def test_distributed_fields_round_trip_in_columns() -> None:
@@ -146,7 +176,7 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
         _set("shards.segment_length.0", 10_000),
         _set("shards.segment_offset.0", -1),
         _set("shards", []),
-        _set("format_version", 5),
+        _set("format_version", 6),
     ],
     ids=lambda d: "",
 )
@@ -196,7 +226,7 @@ def test_file_tier_writes_columns_that_restore_verify_and_the_cli_read(
     with lazyckpt.SyncCheckpointer([FileTier(tmp_path)], shard_size=64 << 10) as ckpt:
         ckpt.snapshot(state, step=4).wait()
     manifest = tmp_path / "step-000000000004" / "manifest.json"
-    assert json.loads(manifest.read_bytes())["format_version"] == 4
+    assert json.loads(manifest.read_bytes())["format_version"] == 5
     with lazyckpt.SyncCheckpointer([FileTier(tmp_path, readonly=True)]) as ckpt:
         restored = ckpt.restore(4)
         assert ckpt.verify(4).ok
@@ -216,4 +246,4 @@ def test_zarr_tier_keeps_columns_in_its_attributes(tmp_path: Path) -> None:
         restored = ckpt.restore(2)
     assert all(torch.equal(restored["model"][k], v) for k, v in state["model"].items())
     attrs = json.loads((tmp_path / "z" / "step-000000000002" / "zarr.json").read_text())
-    assert attrs["attributes"]["lazyckpt"]["manifest"]["format_version"] == 4
+    assert attrs["attributes"]["lazyckpt"]["manifest"]["format_version"] == 5

@@ -18,7 +18,16 @@ The root also holds ``lazyckpt-file.json`` (what kind of location this is, and i
 and one lock file per writing rank (``.lazyckpt-writer-rank-NNNNN.lock``, an ``flock`` held
 while the writer lives: a second writer is refused, readers never take it).
 
-A step directory without a manifest is what a crash left behind; ``open()`` removes it, but
+Incremental snapshots (:class:`~lazyckpt.tier.SupportsReferences`): a shard whose manifest
+entry names ``stored_in`` is read from that step's data file of the same rank, at the same
+offset (the step's own data file has a hole there). Deleting a step removes its manifest;
+its data files stay while a committed step refers to them (the directory is then *retired*:
+data files and a ``retired`` mark, no manifest), and :meth:`FileTier.collect` removes retired directories once no
+committed step refers to them. The data file of an incremental step is written sparse (no
+``posix_fallocate``), so that only the shards it wrote take space.
+
+A step directory without a manifest that no committed step refers to is what a crash left
+behind; ``open()`` removes it, but
 only under a root it can prove is a file tier's (the marker, or for a directory written
 before the marker existed, nothing but this layout) and only when the step directory holds
 nothing but the files above. Anything else (a Zarr tier's directory, files lazyckpt did not
@@ -33,12 +42,11 @@ import contextlib
 import errno
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import aiofiles.os
@@ -59,6 +67,7 @@ from lazyckpt.tier import (
     backend_errors,
 )
 
+from ._file_io import ALIGN, close_after, open_for_reading, probe_direct, pwrite, read_piece
 from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
 
 __all__ = ["FileTier"]
@@ -73,9 +82,9 @@ MANIFEST = "manifest.json"
 MARKER = "lazyckpt-file.json"  # what kind of location this is, and its format
 MARKER_FORMAT = "lazyckpt-file"
 LAYOUT_VERSION = 1
-ALIGN = 4096
 # the only names a file tier writes inside a step directory (temporaries: see _publish)
-_STEP_FILE = re.compile(r"^(manifest\.json|rank-\d{5}\.(data|json))$")
+_STEP_FILE = re.compile(r"^(manifest\.json|retired|rank-\d{5}\.(data|json))$")
+RETIRED = "retired"  # in a step directory deleted while committed steps refer to its data
 _TEMP = re.compile(r"^(manifest|rank-\d{5}|lazyckpt-file)\.json\.\d+\.\d+\.tmp$")
 _LOCK = re.compile(r"^\.lazyckpt-writer-rank-\d{5}\.lock$")
 # what other stores leave at their root: a file tier never writes these
@@ -148,6 +157,9 @@ class FileTier(Tier):
         self._read_threads = read_threads
         self._read_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._writing: dict[int, tuple[int, bool]] = {}  # step -> (fd, opened O_DIRECT)
+        # committed step -> the steps its manifests (every rank's) refer to, or None when
+        # they could not be read (then anything may be referred to): see _referenced
+        self._refers: dict[int, frozenset[int] | None] = {}
         self._lock: WriterLock | None = None
         self._closed = False
 
@@ -226,6 +238,14 @@ class FileTier(Tier):
             marked, leftovers, temps = self._survey()
             if not marked:
                 self._publish(self.root, MARKER, _marker_document(), sync_root=False)
+            if leftovers:
+                # a retired step (data that committed incremental steps refer to) is not a
+                # leftover; when a manifest cannot be read, nothing is taken for one
+                referenced = self._referenced_sync()
+                leftovers = [
+                    e for e in leftovers
+                    if referenced is not None and _step_of(e) not in referenced
+                ]
             for entry in leftovers:
                 shutil.rmtree(entry, ignore_errors=True)  # a crash left it uncommitted
             for temp in temps:
@@ -325,6 +345,21 @@ class FileTier(Tier):
             raise FileExistsError(
                 errno.EEXIST, f"step {manifest.step} is already committed", str(d / MANIFEST)
             )
+        if d.exists():
+            referenced = self._referenced_sync()
+            if referenced is None or manifest.step in referenced:
+                # truncating it would change the bytes committed incremental steps read
+                raise FileExistsError(
+                    errno.EEXIST,
+                    f"step {manifest.step} was deleted but committed incremental steps still "
+                    "read shards from its data; snapshot under another step number, or "
+                    "delete the steps that refer to it",
+                    str(d),
+                )
+            # no committed step refers to it any more: the mark of a retired step goes (the
+            # data file is truncated below)
+            with contextlib.suppress(FileNotFoundError):
+                (d / RETIRED).unlink()
         d.mkdir(parents=True, exist_ok=True)
         path = self._data_path(manifest)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -333,7 +368,7 @@ class FileTier(Tier):
         if direct:
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                _probe_direct(fd)
+                probe_direct(fd)
             except OSError as exc:
                 if fd >= 0:
                     os.close(fd)
@@ -342,8 +377,10 @@ class FileTier(Tier):
                 fd, direct = -1, False  # this file system refuses O_DIRECT: write buffered
         if fd < 0:
             fd = os.open(path, flags, 0o644)
-        if manifest.stream_bytes:
-            with contextlib.suppress(OSError):  # a hint only; not every file system has it
+        if manifest.stream_bytes and not manifest.extra.get("incremental"):
+            # a hint only (not every file system has it); an incremental step's file stays
+            # sparse, since the shards it refers to elsewhere are never written to it
+            with contextlib.suppress(OSError):
                 os.posix_fallocate(fd, 0, manifest.stream_bytes)
         return fd, direct
 
@@ -362,7 +399,7 @@ class FileTier(Tier):
             *(
                 self._run(
                     f"write shard {shard.index} to {path}",
-                    self._pwrite,
+                    pwrite,
                     fd,
                     direct,
                     data[o : o + self.piece_bytes],
@@ -373,36 +410,6 @@ class FileTier(Tier):
         )
         hooks.point("file.write.before_sync")
         await self._run(f"sync shard {shard.index} of {path}", os.fdatasync, fd)
-
-    def _pwrite(self, fd: int, direct: bool, data: memoryview, offset: int) -> None:
-        if direct:
-            self._pwrite_direct(fd, data, offset)
-            return
-        while data:
-            n = os.pwrite(fd, data, offset)
-            data, offset = data[n:], offset + n
-
-    def _pwrite_direct(self, fd: int, data: memoryview, offset: int) -> None:
-        # O_DIRECT wants the address, length and offset aligned. Arena blocks are; whatever
-        # is not (a tail, a foreign buffer) goes through an aligned bounce buffer.
-        head = len(data) // ALIGN * ALIGN
-        aligned = _address(data) % ALIGN == 0
-        if head and aligned:
-            done = 0
-            while done < head:
-                done += os.pwrite(fd, data[done:head], offset + done)
-            data, offset = data[head:], offset + head
-        if data:
-            size = (len(data) + ALIGN - 1) // ALIGN * ALIGN
-            with mmap.mmap(-1, size) as bounce:
-                bounce[: len(data)] = data
-                view = memoryview(bounce)
-                try:
-                    done = 0
-                    while done < size:
-                        done += os.pwrite(fd, view[done:], offset + done)
-                finally:
-                    view.release()
 
     async def commit(self, manifest: Manifest) -> None:
         self._writable("commit a snapshot")
@@ -466,6 +473,7 @@ class FileTier(Tier):
             self._publish(d, f"rank-{manifest.rank:05d}.json", manifest.to_json())
         else:
             self._publish(d, MANIFEST, manifest.to_json())
+            self._refers[manifest.step] = manifest.references()
 
     async def abort(self, step: int) -> None:
         opened = self._writing.pop(step, None)
@@ -544,16 +552,18 @@ class FileTier(Tier):
 
     async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
         path = self._data_path(manifest)
+        if shard.stored_in is not None:  # an incremental step: the bytes of an earlier one
+            path = self._dir(shard.stored_in) / path.name
         what = f"read shard {shard.index} from {path}"
         pool = self._reader()
         loop = asyncio.get_running_loop()
         with backend_errors(self.name, what):
-            fd = await loop.run_in_executor(pool, _open_for_reading, path)
+            fd = await loop.run_in_executor(pool, open_for_reading, path)
             starts = range(0, shard.length, self.piece_bytes)
             futures = [
-                pool.submit(_read_piece, fd, path, shard, out, s, self.piece_bytes) for s in starts
+                pool.submit(read_piece, fd, path, shard, out, s, self.piece_bytes) for s in starts
             ]
-            _close_after(fd, futures)  # not before every piece is done, cancelled or not
+            close_after(fd, futures)  # not before every piece is done, cancelled or not
             results = await asyncio.gather(
                 *(asyncio.wrap_future(f) for f in futures), return_exceptions=True
             )
@@ -567,10 +577,22 @@ class FileTier(Tier):
 
     def _delete_sync(self, step: int) -> None:
         d = self._dir(step)
+        referenced = self._referenced_sync() if d.exists() else set()
+        retired = referenced is None or step in referenced
+        if retired:
+            # committed incremental steps read shards from its data files: it stays, marked
+            # (before the un-commit, so that a crash cannot leave it unmarked), and collect()
+            # removes it once no committed step refers to it
+            with contextlib.suppress(FileNotFoundError):
+                os.close(os.open(d / RETIRED, os.O_WRONLY | os.O_CREAT, 0o644))
+            hooks.point("file.delete.retired")
         with contextlib.suppress(FileNotFoundError):
             (d / MANIFEST).unlink()
             fsync_dir(d)
             hooks.point("file.delete.after_unlink")
+        self._refers.pop(step, None)
+        if retired:
+            return
         # uncommitted now; a file that vanished meanwhile is gone either way, but any other
         # failure is reported (retention surfaces it) rather than hidden. With several ranks
         # on a shared file system they all remove the same directory at once, and NFS or
@@ -584,44 +606,106 @@ class FileTier(Tier):
             log.warning("step %d: removing %s left files behind (%s)", step, d, exc)
 
 
-def _open_for_reading(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CorruptionError(f"{path} is missing") from None
+    # -- incremental snapshots (SupportsReferences) ------------------------------------------
+
+    async def collect(self, keep: Collection[int] = ()) -> list[int]:
+        """Remove every retired step directory (no manifest) that no committed step refers
+        to and that is not in ``keep``; see the module docstring."""
+        self._writable("collect unreferenced data")
+        removed = await self._run(f"collect in {self.root}", self._collect_sync, frozenset(keep))
+        assert isinstance(removed, list)
+        return removed
+
+    def _collect_sync(self, keep: frozenset[int]) -> list[int]:
+        if not self.root.exists():
+            return []
+        retired = []
+        for entry in self.root.iterdir():
+            # only what delete() retired: a directory without a manifest may also be a step
+            # another rank is writing
+            m = _STEP_DIR.match(entry.name)
+            if (
+                m
+                and int(m.group(1)) not in keep
+                and (entry / RETIRED).exists()
+                and not (entry / MANIFEST).exists()
+            ):
+                retired.append(int(m.group(1)))
+        if not retired:
+            return []
+        referenced = self._referenced_sync()
+        if referenced is None:
+            return []
+        removed = []
+        for step in sorted(retired):
+            if step in referenced:
+                continue
+            d = self._dir(step)
+            if (d / MANIFEST).exists():  # committed again meanwhile
+                continue
+            hooks.point("file.collect.before_remove")
+            try:
+                remove_tree(d)
+            except OSError as exc:
+                if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
+                    raise
+            removed.append(step)
+        return removed
+
+    def _referenced_sync(self) -> set[int] | None:
+        """The steps whose data committed steps refer to (every rank's manifests); None when
+        a committed manifest could not be read, so that nothing is removed on a guess."""
+        found: set[int] = set()
+        for step in self._committed_sync():
+            refers = self._refers.get(step)
+            if refers is None:
+                refers = self._read_references(step)
+                if refers is None:
+                    return None
+                self._refers[step] = refers
+            found |= refers
+        return found
+
+    def _committed_sync(self) -> list[int]:
+        """The committed steps, listed from a thread of the tier's pool (as the reference
+        checks that need them run there)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            int(m.group(1))
+            for name in names
+            if (m := _STEP_DIR.match(name)) and (self.root / name / MANIFEST).exists()
+        )
+
+    def _read_references(self, step: int) -> frozenset[int] | None:
+        d = self._dir(step)
+        try:
+            record = (d / MANIFEST).read_bytes()
+            paths = [d / MANIFEST]
+            if b'"lazyckpt-commit"' in record[:64]:
+                paths = sorted(d.glob("rank-*.json"))
+            found: set[int] = set()
+            for path in paths:
+                data = record if path.name == MANIFEST else path.read_bytes()
+                if b'"stored_in"' in data:  # only an incremental manifest needs parsing
+                    found |= Manifest.from_json(data, source=str(path)).references()
+            return frozenset(found)
+        except FileNotFoundError:
+            return frozenset()  # deleted meanwhile: it refers to nothing any more
+        except (OSError, CorruptionError) as exc:
+            log.warning(
+                "%s: cannot read which steps it refers to (%s); unreferenced data is kept",
+                d, exc,
+            )
+            return None
 
 
-def _close_after(fd: int, futures: list[concurrent.futures.Future[None]]) -> None:
-    """Close ``fd`` once every future is done: a piece still reading when the restore is
-    cancelled would otherwise read from a closed (or, worse, reused) descriptor."""
-    if not futures:
-        os.close(fd)
-        return
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: object) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            os.close(fd)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-
-
-def _read_piece(
-    fd: int, path: Path, shard: ShardMeta, out: memoryview, start: int, piece: int
-) -> None:
-    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) into ``out``."""
-    stop = min(start + piece, shard.length)
-    done = start
-    while done < stop:
-        n = os.preadv(fd, [out[done:stop]], shard.offset + done)
-        if n == 0:
-            raise CorruptionError(f"{path} is truncated: shard {shard.index} ends past the file")
-        done += n
+def _step_of(entry: Path) -> int:
+    m = _STEP_DIR.match(entry.name)
+    assert m is not None
+    return int(m.group(1))
 
 
 def _marker_document() -> bytes:
@@ -648,22 +732,3 @@ def _check_marker(path: Path) -> None:
             f"{path.parent} was written by a newer lazyckpt (file layout {version!r}, this "
             f"version reads up to {LAYOUT_VERSION}); upgrade lazyckpt"
         )
-
-
-def _probe_direct(fd: int) -> None:
-    """Some file systems accept O_DIRECT at open and refuse it at the first write: find out
-    now, with one aligned block at the start of the file (a shard overwrites it later)."""
-    with mmap.mmap(-1, ALIGN) as block:
-        view = memoryview(block)
-        try:
-            os.pwrite(fd, view, 0)
-        finally:
-            view.release()
-
-
-def _address(view: memoryview) -> int:
-    import ctypes
-
-    if view.readonly:
-        return -1
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))

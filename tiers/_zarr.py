@@ -59,6 +59,18 @@ holds nothing but this layout. A location another store wrote is refused
 (:class:`~lazyckpt.ForeignLocationError`). A root whose ``zarr.json`` was lost is rebuilt
 from the step groups whose commit records verify, and nothing is deleted on that open.
 
+Incremental snapshots (:class:`~lazyckpt.tier.SupportsReferences`): a shard whose manifest
+entry names ``stored_in`` is read from that step's objects (the same shard index of the
+same rank's part); its own group does not hold it. For a plain zarr reader, the ``arrays``
+map then points a tensor whose chunks are all stored with one earlier step at that step's
+array (a path from the store's root, starting with ``/``), and the packed index entry of a
+small tensor stored with an earlier step names that step's packed array (``array``); a
+tensor whose chunks are stored partly here and partly elsewhere has the others copied into
+its array at commit, so that every array a map names is whole. Deleting a step that
+committed steps still refer to moves it from the index's ``committed`` list to its
+``retired`` list (one atomic write) and keeps its objects; :meth:`ZarrTier.collect` removes
+a retired step once no committed step refers to it, and ``open()`` never sweeps one.
+
 ``docs/zarr.md`` has the plain-zarr recipe and the S3 configuration.
 """
 
@@ -67,6 +79,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Collection
 from pathlib import Path
 
 from lazyckpt.tier import (
@@ -91,9 +104,11 @@ from ._zarr_layout import (
     _ChunkTarget,
     _documents,
     _group_doc,
+    _pack_document,
     _PackTarget,
     _part_attributes,
     _part_prefix,
+    _Plan,
     _rank_name,
     _step_prefix,
     plan_snapshot,
@@ -237,7 +252,8 @@ class ZarrTier(ZarrWriter):
             # this one took over can no longer commit the steps swept below
             await self._update_fenced_index((), None, claim=True)
             root = await self._read_root()
-        indexed = set(self._committed(root))
+        # a retired step is kept for the committed steps that read it, not swept
+        indexed = set(self._committed(root)) | set(self._retired(root))
         leftovers = []
         async for name in self._store.list_dir(""):
             m = _STEP_GROUP.match(name.rstrip("/"))
@@ -362,6 +378,13 @@ class ZarrTier(ZarrWriter):
                 raise TierBrokenError(
                     f"step {manifest.step} is already committed; delete it first", tier=self.name
                 )
+            if manifest.step in self._retired(root):
+                raise TierBrokenError(
+                    f"step {manifest.step} was deleted but committed incremental steps still "
+                    "read shards from its objects; snapshot under another step number, or "
+                    "delete the steps that refer to it",
+                    tier=self.name,
+                )
             plan = self._plan(manifest)
             self._geometry.pop((manifest.step, manifest.rank), None)
             # leftovers of an earlier attempt (this rank's part only: the others write theirs)
@@ -397,10 +420,14 @@ class ZarrTier(ZarrWriter):
             plan = self._plan(manifest)
             if manifest.step not in self._begun:  # committed without begin(): metadata owed
                 await self._put_documents(plan)
+            if manifest.references():
+                await self._point_at_stored(plan)
             if isinstance(self._store, DurableLocalStore):
                 # kept until done: a commit that fails here and is retried syncs them again
                 await self._store.sync_directories(self._unsynced.get(manifest.step, ()))
             await self._put(f"{plan.prefix}/zarr.json", _group_doc(_part_attributes(plan)))
+            if manifest.world_size == 1:
+                self._refers[manifest.step] = manifest.references()
             if manifest.world_size == 1:
                 await self._update_index(add=manifest.step)
             self._begun.discard(manifest.step)
@@ -511,6 +538,8 @@ class ZarrTier(ZarrWriter):
         with self._backend(f"read shard {shard.index}"):
             if len(out) != shard.length:
                 raise ConfigurationError(f"shard {shard.index}: out has {len(out)} bytes")
+            if shard.stored_in is not None:  # an incremental step: an earlier step's objects
+                manifest, shard = await self._stored_shard(manifest, shard)
             plan = self._plan(manifest)
             target = plan.targets[shard.index]
             where = f"{self.name}:{self.location}/{target.key}"
@@ -561,5 +590,103 @@ class ZarrTier(ZarrWriter):
             self._writable("delete a snapshot")
             await self._renew_lease()
             async with self._delete_lock:
+                committed = self._committed(await self._read_root())
+                referenced = await self._referenced([s for s in committed if s != step])
+                if step in referenced and step in committed:
+                    # committed incremental steps read shards from its objects: it leaves
+                    # the index for the retired list, in the same write, and stays
+                    await self._update_index(remove=step, retire=True)
+                    return
                 await self._update_index(remove=step)  # un-commit first
                 await self._store.delete_dir(_step_prefix(step))
+
+    # -- incremental snapshots (SupportsReferences) ------------------------------------------
+
+    async def collect(self, keep: Collection[int] = ()) -> list[int]:
+        """Remove every retired step that no committed step refers to and that is not in
+        ``keep``: its objects first, then its entry in the retired list (a crash between
+        leaves an entry whose objects are gone, which nothing reads and the next collect
+        drops). Rank 0's work with several ranks; the others remove nothing."""
+        with self._backend("collect"):
+            if not self._committer:
+                return []
+            self._writable("collect unreferenced data")
+            await self._renew_lease()
+            async with self._delete_lock:
+                root = await self._read_root()
+                retired = [s for s in self._retired(root) if s not in keep]
+                if not retired:
+                    return []
+                referenced = await self._referenced(self._committed(root))
+                doomed = [s for s in retired if s not in referenced]
+                for step in doomed:
+                    self._forget(step)
+                    await self._store.delete_dir(_step_prefix(step))
+                if doomed:
+                    await self._update_index(unretire=doomed)
+                return doomed
+
+    async def _stored_shard(
+        self, manifest: Manifest, shard: ShardMeta
+    ) -> tuple[Manifest, ShardMeta]:
+        """The manifest and shard entry of the step that stores a referring shard's bytes."""
+        assert shard.stored_in is not None
+        home = await self._stored_manifest(shard.stored_in, manifest.rank)
+        if shard.index >= len(home.shards):
+            raise CorruptionError(
+                f"step {manifest.step} refers to shard {shard.index} of step {home.step}, "
+                "which has no such shard"
+            )
+        found = home.shards[shard.index]
+        if found.stored_in is not None or found.length != shard.length:
+            raise CorruptionError(
+                f"step {manifest.step} refers to shard {shard.index} of step {home.step}, "
+                "which does not hold it"
+            )
+        return home, found
+
+    async def _point_at_stored(self, plan: _Plan) -> None:
+        """Before an incremental step's part is published: point the ``arrays`` map and the
+        packed index at the earlier steps' arrays holding its tensors, and make whole the
+        arrays whose chunks are stored partly here (see the module docstring)."""
+        m = plan.manifest
+        shards = m.shards
+        for t, meta in enumerate(m.tensors):
+            if meta.alias_of is not None or meta.mode not in ("rows", "flat") or not meta.shards:
+                continue
+            homes = {shards[i].stored_in for i in meta.shards}
+            if None not in homes and len(homes) == 1:
+                (home,) = homes
+                assert home is not None
+                prefix = _part_prefix(home, m.rank, m.world_size)
+                path = f"/{prefix}/{plan.arrays[meta.key]}"
+                for other in m.tensors:  # the key and its aliases
+                    if other.key == meta.key or other.alias_of == t:
+                        plan.arrays[other.key] = path
+                continue
+            for i in meta.shards:  # mixed: copy the chunks stored elsewhere into this array
+                if shards[i].stored_in is None:
+                    continue
+                home_m, home_shard = await self._stored_shard(m, shards[i])
+                source = self._plan(home_m).targets[home_shard.index].key
+                raw = await self._get(source)
+                if raw is None:
+                    raise CorruptionError(f"{self.location}/{source} is missing")
+                data = memoryview(raw.as_buffer_like()).cast("B")
+                await self._put_unpublished(m.step, plan.targets[i].key, [data])
+        packs = [s for s in shards if s.kind == "pack"]
+        external: dict[int, tuple[str, int]] = {}
+        for slot, shard in enumerate(packs):
+            if shard.stored_in is None:
+                continue
+            home_m, home_shard = await self._stored_shard(m, shard)
+            home_plan = self._plan(home_m)
+            target = home_plan.targets[home_shard.index]
+            assert isinstance(target, _PackTarget)
+            geometry = await self._pack_geometry(home_plan)
+            external[slot] = (f"/{home_plan.prefix}/packed", target.slot * geometry.shard_bytes)
+        if external:
+            plan.external = external
+            await self._put_unpublished(
+                m.step, f"{plan.prefix}/packed/zarr.json", [memoryview(_pack_document(plan))]
+            )

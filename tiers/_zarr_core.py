@@ -33,7 +33,14 @@ from lazyckpt.tier import (
 
 from ._fs import WriterLock, read_small
 from ._zarr_codec import _join, _PackGeometry
-from ._zarr_layout import _documents, _geometry_from_document, _Plan, plan_snapshot
+from ._zarr_layout import (
+    _documents,
+    _geometry_from_document,
+    _part_prefix,
+    _Plan,
+    _step_prefix,
+    plan_snapshot,
+)
 from ._zarr_s3 import _s3_settings, _s3_store, _S3Settings
 from ._zarr_store import DurableLocalStore
 
@@ -138,6 +145,10 @@ class ZarrCore(Tier):
         self._begun: set[int] = set()
         self._unsynced: dict[int, set[str]] = {}  # step -> directories to sync at commit
         self._geometry: dict[tuple[int, int], _PackGeometry] = {}  # (step, rank) ->
+        # incremental snapshots: the manifests of steps that others refer to, by
+        # (step, rank), and per committed step the steps its manifests refer to
+        self._stored: dict[tuple[int, int], Manifest] = {}
+        self._refers: dict[int, frozenset[int]] = {}
         self._shared_checked = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests = asyncio.Semaphore(concurrency)
@@ -285,6 +296,9 @@ class ZarrCore(Tier):
         for cache in (self._plans, self._geometry):
             for at in [at for at in cache if at[0] == step]:
                 del cache[at]
+        for at in [at for at in self._stored if at[0] == step]:
+            del self._stored[at]
+        self._refers.pop(step, None)
         self._begun.discard(step)
         self._unsynced.pop(step, None)
 
@@ -326,6 +340,59 @@ class ZarrCore(Tier):
         if not isinstance(steps, list) or any(type(s) is not int or s < 0 for s in steps):
             raise CorruptionError("the commit index in the root zarr.json is damaged")
         return sorted(steps)
+
+    @staticmethod
+    def _retired(root: dict[str, Any] | None) -> list[int]:
+        """Deleted steps whose objects committed incremental steps still read."""
+        if root is None:
+            return []
+        steps = root["attributes"]["lazyckpt"].get("retired", [])
+        if not isinstance(steps, list) or any(type(s) is not int or s < 0 for s in steps):
+            raise CorruptionError("the retired list in the root zarr.json is damaged")
+        return sorted(steps)
+
+    async def _stored_manifest(self, step: int, rank: int) -> Manifest:
+        """Rank ``rank``'s manifest of a step whose objects are stored here, committed or
+        retired (what an incremental step's shards are read from)."""
+        at = (step, rank)
+        found = self._stored.get(at)
+        if found is not None:
+            return found
+        key = f"{_step_prefix(step)}/zarr.json"
+        attrs = await self._group_attributes(key)
+        if "manifest" not in attrs:  # a commit record: the rank's own part
+            world = attrs.get("world_size")
+            if type(world) is not int or not 0 <= rank < world:
+                raise CorruptionError(f"{self.location}/{key} has no part of rank {rank}")
+            key = f"{_part_prefix(step, rank, world)}/zarr.json"
+            attrs = await self._group_attributes(key)
+        found = self._record_manifest(attrs, key, step)
+        if len(self._stored) >= 256:
+            self._stored.clear()
+        self._stored[at] = found
+        return found
+
+    async def _references_of(self, step: int) -> frozenset[int]:
+        """The steps a committed step's manifests (every rank's) refer to."""
+        found = self._refers.get(step)
+        if found is not None:
+            return found
+        attrs = await self._group_attributes(f"{_step_prefix(step)}/zarr.json")
+        world = 1 if "manifest" in attrs else attrs.get("world_size")
+        if type(world) is not int or world < 1:
+            raise CorruptionError(f"{self.location}/{_step_prefix(step)}/zarr.json is damaged")
+        refers: set[int] = set()
+        for rank in range(world):
+            refers |= (await self._stored_manifest(step, rank)).references()
+        self._refers[step] = frozenset(refers)
+        return self._refers[step]
+
+    async def _referenced(self, committed: Iterable[int]) -> set[int]:
+        """The steps whose objects the ``committed`` steps refer to."""
+        found: set[int] = set()
+        for step in committed:
+            found |= await self._references_of(step)
+        return found
 
     def _check_version(self, root: dict[str, Any]) -> None:
         version = int(root["attributes"]["lazyckpt"].get("format_version", 1))

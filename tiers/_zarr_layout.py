@@ -13,7 +13,7 @@ import json
 import math
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -110,6 +110,9 @@ class _Plan:
     targets: list[_ChunkTarget | _PackTarget]
     arrays: dict[str, str]  # tensor key -> array path relative to the snapshot group
     pack: _PackGeometry | None
+    # incremental snapshots: pack slots whose shard is stored with an earlier step, as
+    # (that step's packed array, from the store's root; the slot's offset in it)
+    external: dict[int, tuple[str, int]] = field(default_factory=dict)
 
 
 def _chunk_shape(meta: TensorMeta) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -283,8 +286,14 @@ def _pack_document(plan: _Plan) -> bytes:
         if source.mode != "pack":
             continue
         slot = slot_of_shard[source.shards[0]]
+        where = {}
+        base = slot * geometry.shard_bytes
+        if slot in plan.external:  # stored with an earlier step: its packed array holds it
+            array, base = plan.external[slot]
+            where = {"array": array}
         index[meta.key] = {
-            "offset": slot * geometry.shard_bytes + source.offset,
+            **where,
+            "offset": base + source.offset,
             "nbytes": source.nbytes,
             "dtype": source.dtype,
             "data_type": storage_dtype(source),

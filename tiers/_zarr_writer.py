@@ -24,9 +24,22 @@ from ._zarr_s3 import _lease_holder
 class ZarrWriter(ZarrCore):
     """A ZarrTier's writing side of the location: the writer's lock or lease and the index."""
 
-    async def _update_index(self, add: int | None = None, remove: int | None = None) -> None:
+    async def _update_index(
+        self,
+        add: int | None = None,
+        remove: int | None = None,
+        *,
+        retire: bool = False,
+        unretire: Iterable[int] = (),
+    ) -> None:
+        """Add a step to the commit index, or remove one (with ``retire``: into the list
+        of retired steps, whose objects committed incremental steps still read), or drop
+        steps from that list: one atomic write of the root ``zarr.json``."""
         if self._leased:
-            await self._update_fenced_index(() if add is None else (add,), remove, claim=False)
+            await self._update_fenced_index(
+                () if add is None else (add,), remove, claim=False, retire=retire,
+                unretire=unretire,
+            )
             return
         async with self._index_lock:
             root = await self._read_root()
@@ -41,11 +54,18 @@ class ZarrWriter(ZarrCore):
             lazy = root["attributes"]["lazyckpt"]
             lazy["format_version"] = max(int(lazy.get("format_version", 0)), FORMAT_VERSION)
             lazy["committed"] = sorted(steps)
+            _retire(lazy, self._retired(root), remove if retire else None, unretire)
             # The commit point: one atomic object write (an S3 PUT, a rename on a path).
             await self._put("zarr.json", _json(root))
 
     async def _update_fenced_index(
-        self, add: Iterable[int], remove: int | None, *, claim: bool
+        self,
+        add: Iterable[int],
+        remove: int | None,
+        *,
+        claim: bool,
+        retire: bool = False,
+        unretire: Iterable[int] = (),
     ) -> None:
         """The index of a leased (S3) location, fenced: it names the lease token of the
         writer that owns it, and is only replaced with ``If-Match`` on the ETag just read.
@@ -80,6 +100,7 @@ class ZarrWriter(ZarrCore):
                     steps.discard(remove)
                 lazy["format_version"] = max(int(lazy.get("format_version", 0)), FORMAT_VERSION)
                 lazy["committed"] = sorted(steps)
+                _retire(lazy, self._retired(root), remove if retire else None, unretire)
                 lazy["writer"] = token
                 mode: Any = "create" if etag is None else {"e_tag": etag}
                 try:
@@ -237,3 +258,17 @@ class ZarrWriter(ZarrCore):
         if new_etag is None:
             raise self._lost_lease()
         self._lease = (token, new_etag, time.monotonic())
+
+
+def _retire(
+    lazy: dict[str, Any], retired: list[int], add: int | None, drop: Iterable[int]
+) -> None:
+    """Update the index's list of retired steps (absent while there are none, so that an
+    index without incremental steps stays as it was)."""
+    steps = set(retired) - set(drop)
+    if add is not None:
+        steps.add(add)
+    if steps:
+        lazy["retired"] = sorted(steps)
+    else:
+        lazy.pop("retired", None)

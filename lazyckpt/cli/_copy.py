@@ -1,4 +1,7 @@
-"""``lazyckpt copy``: copy committed snapshots between locations, checked both ways."""
+"""``lazyckpt copy``: copy committed snapshots between locations, checked both ways.
+
+An incremental step (one that refers to shards stored with earlier steps) is copied whole:
+each copied step is self-contained at the destination."""
 
 from __future__ import annotations
 
@@ -38,11 +41,13 @@ async def copy_command(args: argparse.Namespace, ui: Console) -> int:
             if step in present:
                 ui.note(f"step {step}: already on {dst}, left as it is")
                 continue
-            m = await src.tier.read_manifest(step)
-            m = replace(m, extra={**m.extra, "tier": dst.tier.describe()})
+            stored = await src.tier.read_manifest(step)
+            # an incremental step is read through its references but copied whole: the
+            # destination need not hold the steps it refers to
+            m = replace(stored.self_contained(), extra={**stored.extra, "tier": dst.tier.describe()})
             async with (
                 writing(dst.tier, m) as write,
-                ShardReader(src.tier, m, jobs=args.jobs) as reader,
+                ShardReader(src.tier, stored, jobs=args.jobs) as reader,
             ):
                 await put_all(write, None, reader, ui, f"copy step {step}", args.jobs)
                 await write.commit(m)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from .._tier import Retention
+from .._tier import Retention, SupportsReferences
+from .._tiercall import call_tier
 from ._console import Console
 from ._location import opened
 from ._status import EXIT_OK
-from ._write import delete_step
+from ._write import DEFAULT_POLICY, delete_step
 
 
 async def gc_command(args: argparse.Namespace, ui: Console) -> int:
@@ -22,11 +23,19 @@ async def gc_command(args: argparse.Namespace, ui: Console) -> int:
             for step in doomed:
                 ui.out(f"would delete step {step}")
         else:
-            with ui.progress(len(doomed), "gc", unit="snapshots", enabled=bool(doomed)) as bar:
+            with ui.progress(len(doomed), "gc", unit="snapshots") as bar:
                 for step in doomed:
                     await delete_step(loc.tier, step)
                     ui.out(f"deleted step {step}")
                     bar.advance(1)
+            if isinstance(loc.tier, SupportsReferences):
+                # data of deleted incremental steps that kept steps referred to stays
+                # (retired) until nothing refers to it: remove what nothing needs now
+                freed = await call_tier(
+                    loc.tier.name, "collect", loc.tier.collect, DEFAULT_POLICY
+                )
+                if freed:
+                    ui.out(f"removed the data of retired steps {', '.join(map(str, freed))}")
     kept = len(steps) - len(doomed)
     verb = "would keep" if args.dry_run else "kept"
     ui.note(f"{verb} {kept} of {len(steps)} snapshots in {args.location}")

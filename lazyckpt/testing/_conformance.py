@@ -27,6 +27,11 @@ them the checks of commits, deletes and crash cleanup would only ask the tier ab
 so the suite fails until they exist. :meth:`TierTests.crash` says how a writer dies (by
 default it is closed, which a tier must not use to clean up).
 
+A tier that supports incremental snapshots (:class:`~lazyckpt.tier.SupportsReferences`) is
+also checked for references: a step that refers to an earlier step's shards reads them from
+there, stays whole when that step is deleted, and :meth:`collect` removes the earlier data
+only once nothing (no committed step, nothing in ``keep``) refers to it.
+
 Locations are shared, so the suite also checks how a tier guards one (each a class flag, on
 by default; a tier whose instances share no storage, like host memory, turns them off):
 
@@ -81,12 +86,19 @@ from .._tier import (
     SupportsBlockRead,
     SupportsGlobalCommit,
     SupportsRankManifests,
+    SupportsReferences,
     SupportsStaging,
     Tier,
 )
 from ._oracle import build_snapshot
 
 __all__ = ["TierTests"]
+
+
+def build_crc(data: bytes) -> int:
+    import crc32c
+
+    return int(crc32c.crc32c(data))
 
 
 def _sample_state(seed: int = 0) -> dict[str, Any]:
@@ -247,6 +259,60 @@ class TierTests:
                 await tier.read_manifest(7)
             manifest = await tier.read_manifest(10)
             assert await self.read_all(tier, manifest) == build_snapshot(10, _sample_state(10))[1]
+
+    # -- incremental snapshots (SupportsReferences) ------------------------------------------
+
+    async def _write_referring(
+        self, tier: Tier, step: int, base: Manifest, payloads: list[bytes], changed: int
+    ) -> tuple[Manifest, list[bytes]]:
+        """Write ``step`` as an incremental snapshot of ``base``: only shard ``changed`` is
+        written (with new bytes); every other shard refers to ``base``'s stored data."""
+        new = list(payloads)
+        new[changed] = bytes(b ^ 0xFF for b in payloads[changed])
+        crcs = [s.crc32c or 0 for s in base.shards]
+        crcs[changed] = build_crc(new[changed])
+        manifest = replace(base.self_contained(), step=step).with_checksums(crcs)
+        manifest = manifest.with_references(
+            {
+                s.index: base.step if s.stored_in is None else s.stored_in
+                for s in base.shards
+                if s.index != changed
+            }
+        )
+        manifest = replace(manifest, extra={**manifest.extra, "incremental": True})
+        await tier.begin(manifest)
+        await tier.put_shard(manifest, manifest.shards[changed], memoryview(new[changed]))
+        await tier.commit(manifest)
+        return manifest, new
+
+    async def test_references_read_and_retention(self, make_tier: Callable[[], Tier]) -> None:
+        if not isinstance(make_tier(), SupportsReferences):
+            pytest.skip("the tier does not store incremental snapshots")
+        base, payloads = build_snapshot(1, _sample_state())
+        async with self.opened(make_tier) as tier:
+            assert isinstance(tier, SupportsReferences)
+            await self.write(tier, base, payloads)
+            second, second_payloads = await self._write_referring(tier, 2, base, payloads, 0)
+            third, third_payloads = await self._write_referring(tier, 3, second, second_payloads, 1)
+            assert third.references() == {1, 2}
+            stored = await tier.read_manifest(3)
+            assert stored.shards == third.shards
+            assert await self.read_all(tier, stored) == third_payloads
+            await tier.delete(1)  # steps 2 and 3 still read shards from its data
+            await tier.delete(2)
+            assert await tier.steps() == [3]
+            assert await tier.collect() == []
+            assert await self.read_all(tier, await tier.read_manifest(3)) == third_payloads
+        async with self.opened(make_tier) as again:  # what a restart finds
+            assert isinstance(again, SupportsReferences)
+            assert await again.steps() == [3]
+            assert await self.read_all(again, await again.read_manifest(3)) == third_payloads
+            fourth, _ = build_snapshot(4, _sample_state(4))
+            await self.write(again, fourth, build_snapshot(4, _sample_state(4))[1])
+            await again.delete(3)
+            assert await again.collect(keep=[1]) == [2]  # step 1 is still wanted by the caller
+            assert await again.collect() == [1]
+            assert await again.steps() == [4]
 
     async def test_values_only_snapshot(self, make_tier: Callable[[], Tier]) -> None:
         manifest, payloads = build_snapshot(4, {"epoch": 2, "names": ("a", "b")})

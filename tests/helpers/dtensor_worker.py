@@ -4,7 +4,9 @@ WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT in the environment.
 ``save`` snapshots an FSDP2 model, its optimizer and plain DTensors (``Shard(0)``,
 ``Shard(1)``, ``Replicate``, a tensor marked ``Replicated``), then restores them on the same
 world size; ``restore`` restores them onto whatever world size it runs with, into new
-shardings. Rank 0 of ``save`` also writes the full tensors (``expected.pt``) for the test to
+shardings. ``incremental`` snapshots four steps of a fine-tune (frozen DTensors, an adapter
+that changes) incrementally, keeping the last two; ``incremental-restore`` restores the last
+of them onto whatever world size it runs with. Rank 0 of ``save`` also writes the full tensors (``expected.pt``) for the test to
 compare against. Each rank writes ``rank<N>.json``.
 """
 
@@ -207,11 +209,54 @@ async def restore(root: Path, out: Path, rank: int, world: int) -> dict[str, Any
     return result
 
 
+def adapter_of(step: int, mesh: DeviceMesh) -> DTensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return distribute_tensor(torch.randn(16, 8, generator=g), mesh, [Shard(0)])
+
+
+async def incremental_save(root: Path, out: Path, rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    frozen = state_of(2, mesh)
+    result: dict[str, Any] = {"rank": rank, "written": []}
+    options = {**OPTIONS, "incremental": True}
+    async with lazyckpt.Checkpointer([FileTier(root, keep_last=2)], **options) as ckpt:
+        for step in range(1, 5):
+            state = {**frozen, "adapter": adapter_of(step, mesh)}
+            await (await ckpt.snapshot(state, step=step)).committed()
+            result["written"].append(ckpt.metrics()["tiers"]["file"]["bytes"])
+    dist.barrier()  # every rank's retention is done (closing waits for it)
+    async with lazyckpt.Checkpointer([FileTier(root, readonly=True)], **OPTIONS) as ckpt:
+        result["steps"] = await ckpt.steps()
+    manifest = json.loads((root / "step-000000000004" / f"rank-{rank:05d}.json").read_text())
+    result["stored_in"] = sorted({s["stored_in"] for s in manifest["shards"] if "stored_in" in s})
+    result["retired_data"] = (root / "step-000000000001" / f"rank-{rank:05d}.data").exists()
+    expected = {k: full_of(frozen[k]) for k in ("a", "b", "c")}  # collectives: every rank
+    expected["adapter"] = full_of(adapter_of(4, mesh))
+    if rank == 0:
+        torch.save(expected, out / "expected.pt")
+    return result
+
+
+async def incremental_restore(root: Path, out: Path, rank: int, world: int) -> dict[str, Any]:
+    expected = torch.load(out.parent / "expected.pt")
+    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+        plain = await ckpt.restore(4)
+    return {"rank": rank, "mismatch": compare({k: plain[k] for k in expected}, expected)}
+
+
+SCENARIOS = {
+    "save": save,
+    "restore": restore,
+    "incremental": incremental_save,
+    "incremental-restore": incremental_restore,
+}
+
+
 def main() -> None:
     scenario, root, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = save if scenario == "save" else restore
+    run = SCENARIOS[scenario]
     result = asyncio.run(run(root, out, rank, world))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -5,6 +5,10 @@ Run as ``python crash_child.py ROOT TIER FIRST_STEP LAST_STEP [WAIT]`` where WAI
 is durable before the next step starts). The state of step s is a pure
 function of s (see :func:`state_of`), so a checker in another process can rebuild exactly
 what was snapshotted at any step and compare it bit for bit with what was restored.
+
+With ``LAZYCKPT_CHILD_INCREMENTAL`` set (``1`` or ``versions``) the snapshots are incremental
+and the state is a fine-tune's (:func:`incremental_state_of`): frozen weights, the same
+tensors at every step, beside a small part that changes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,29 @@ def state_of(step: int) -> dict[str, Any]:
     }
 
 
+_FROZEN: dict[str, torch.Tensor] = {}
+
+
+def incremental_state_of(step: int) -> dict[str, Any]:
+    """A fine-tune's state at ``step``: frozen weights (the same tensor objects in every
+    step of a process, the same bytes in every process) and adapters that change."""
+    if not _FROZEN:
+        g = torch.Generator().manual_seed(4242)
+        _FROZEN.update({f"layer{i}": torch.randn(256, 192, generator=g) for i in range(3)})
+    g = torch.Generator().manual_seed(step)
+    return {
+        "base": dict(_FROZEN),
+        "adapter": {"a": torch.randn(64, 32, generator=g), "b": torch.randn(32, 64, generator=g)},
+        "optim": {"exp_avg": torch.randn(300, 100, generator=g), "step": step},
+        "step": step,
+    }
+
+
+def incremental_mode() -> bool | str:
+    mode = os.environ.get("LAZYCKPT_CHILD_INCREMENTAL", "")
+    return {"": False, "1": True}.get(mode, mode)
+
+
 def durable_tier(root: Path, kind: str, **kwargs: Any) -> lazyckpt.Tier:
     if kind == "file":
         return FileTier(root / "file", **kwargs)
@@ -45,10 +72,14 @@ def durable_tier(root: Path, kind: str, **kwargs: Any) -> lazyckpt.Tier:
 async def main(root: Path, kind: str, first: int, last: int, wait: str) -> None:
     chain = [HostMemoryTier(4 << 20), durable_tier(root, kind, keep_last=3)]
     pause = float(os.environ.get("LAZYCKPT_CHILD_PAUSE", "0"))  # seconds between steps
-    async with lazyckpt.Checkpointer(chain, shard_size=SHARD, pack_bytes=4096) as ckpt:
+    incremental = incremental_mode()
+    make_state = incremental_state_of if incremental else state_of
+    async with lazyckpt.Checkpointer(
+        chain, shard_size=SHARD, pack_bytes=4096, incremental=incremental
+    ) as ckpt:
         print("opened", flush=True)
         for step in range(first, last):
-            handle = await ckpt.snapshot(state_of(step), step=step)
+            handle = await ckpt.snapshot(make_state(step), step=step)
             if wait == "committed":
                 await handle.committed()
             else:
