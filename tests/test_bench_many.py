@@ -36,9 +36,9 @@ def _positive(x: Any) -> bool:
 
 
 def test_many_tensors_quick(tmp_path: Path) -> None:
-    doc = _run("many_tensors.py", "--counts", "200,400", "--reps", "2", out=tmp_path)
+    doc = _run("many_tensors.py", "--counts", "300,600", "--reps", "2", out=tmp_path)
     rows = doc["results"]["rows"]
-    assert [r["tensors"] for r in rows] == [200, 400]
+    assert [r["tensors"] for r in rows] == [300, 600]
     for r in rows:
         for key in ("snapshot_cold_us_per_tensor", "manifest_bytes", "restore_us_per_tensor",
                     "restore_into_us_per_tensor", "manifest_read_us_per_tensor",

@@ -18,7 +18,11 @@ from lazyckpt._state import (
 )
 
 # where a shard is once durable on a tier of each level: the oracle, written out
-DURABLE = {TierLevel.LOCAL: ShardState.ON_LOCAL, TierLevel.PFS: ShardState.ON_PFS}
+DURABLE = {
+    TierLevel.LOCAL: ShardState.ON_LOCAL,
+    TierLevel.PEER: ShardState.ON_PEER,
+    TierLevel.PFS: ShardState.ON_PFS,
+}
 
 CHAINS = [
     [],

@@ -42,9 +42,7 @@ import contextlib
 import errno
 import json
 import logging
-import mmap
 import os
-import re
 import shutil
 import threading
 from collections.abc import Callable, Collection
@@ -56,7 +54,6 @@ from lazyckpt import hooks
 from lazyckpt.tier import (
     ConfigurationError,
     CorruptionError,
-    ForeignLocationError,
     LazyCkptError,
     Manifest,
     ShardMeta,
@@ -68,6 +65,8 @@ from lazyckpt.tier import (
     backend_errors,
 )
 
+from ._file_io import ALIGN, close_after, open_for_reading, probe_direct, pwrite, read_piece
+from ._file_location import MANIFEST, MARKER, RETIRED, STEP_DIR, marker_document, survey
 from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
 
 __all__ = ["FileTier"]
@@ -77,23 +76,6 @@ log = logging.getLogger("lazyckpt")
 # what a shared file system may answer while another rank removes the same directory
 _RACING_REMOVAL = {errno.ENOTEMPTY, errno.ESTALE, errno.EBUSY}
 
-_STEP_DIR = re.compile(r"^step-(\d{12})$")
-MANIFEST = "manifest.json"
-MARKER = "lazyckpt-file.json"  # what kind of location this is, and its format
-MARKER_FORMAT = "lazyckpt-file"
-LAYOUT_VERSION = 1
-ALIGN = 4096
-# the only names a file tier writes inside a step directory (temporaries: see _publish)
-_STEP_FILE = re.compile(r"^(manifest\.json|retired|rank-\d{5}\.(data|json))$")
-RETIRED = "retired"  # in a step directory deleted while committed steps refer to its data
-_TEMP = re.compile(r"^(manifest|rank-\d{5}|lazyckpt-file)\.json\.\d+\.\d+\.tmp$")
-_LOCK = re.compile(r"^\.lazyckpt-writer-rank-\d{5}\.lock$")
-# what other stores leave at their root: a file tier never writes these
-_FOREIGN_SIGNS = {
-    "zarr.json": "a Zarr store (zarr.json; a ZarrTier location?)",
-    ".zgroup": "a Zarr v2 store (.zgroup)",
-    ".zarray": "a Zarr v2 array (.zarray)",
-}
 
 
 class FileTier(Tier):
@@ -222,13 +204,13 @@ class FileTier(Tier):
         if self.readonly:
             if not self.root.is_dir():
                 raise SnapshotNotFoundError(f"{self.root}: no such directory (tier {self.name!r})")
-            self._survey(writing=False)  # refuses another store's location; changes nothing
+            survey(self.root, writing=False)  # refuses another store's location; changes nothing
             return
         if self.root.is_dir():
             # a foreign location is refused before anything (even a lock) is written there,
             # by every rank; the others only look for another store's signs, as a reader
             # does, since rank 0 may be sweeping leftovers meanwhile
-            self._survey(writing=self.world_size == 1 or self.rank == 0)
+            survey(self.root, writing=self.world_size == 1 or self.rank == 0)
         self.root.mkdir(parents=True, exist_ok=True)
         lock = WriterLock(self.root / lock_name(self.rank), str(self.root))
         lock.acquire()
@@ -238,9 +220,9 @@ class FileTier(Tier):
             self._lock = lock
             return
         try:
-            marked, leftovers, temps = self._survey()
+            marked, leftovers, temps = survey(self.root)
             if not marked:
-                self._publish(self.root, MARKER, _marker_document(), sync_root=False)
+                self._publish(self.root, MARKER, marker_document(), sync_root=False)
             if leftovers:
                 # a retired step (data that committed incremental steps refer to) is not a
                 # leftover; when a manifest cannot be read, nothing is taken for one
@@ -257,66 +239,6 @@ class FileTier(Tier):
             lock.release()
             raise
         self._lock = lock
-
-    def _survey(self, *, writing: bool = True) -> tuple[bool, list[Path], list[Path]]:
-        """What the root holds: whether it carries the marker, the uncommitted step
-        directories a crash left, and the temporaries. Raises
-        :class:`~lazyckpt.ForeignLocationError` when anything says this is not a file tier's
-        location (nothing has been changed then). A reader (not ``writing``), which deletes
-        nothing, only refuses what another store wrote, not files it merely does not know."""
-        where = str(self.root)
-        marked = False
-        marker = self.root / MARKER
-        if marker.exists():
-            _check_marker(marker)
-            marked = True
-        leftovers: list[Path] = []
-        temps: list[Path] = []
-        strangers: list[str] = []
-        for entry in sorted(self.root.iterdir()):
-            name = entry.name
-            if name in _FOREIGN_SIGNS:
-                raise ForeignLocationError(
-                    f"{self.root} holds {_FOREIGN_SIGNS[name]}, not a file tier's snapshots; "
-                    "nothing was changed. Open it with the tier that wrote it, or give "
-                    "FileTier another directory.",
-                    location=where,
-                )
-            if _STEP_DIR.match(name) and entry.is_dir():
-                try:
-                    names = sorted(p.name for p in entry.iterdir())
-                except FileNotFoundError:  # a writer beside this reader removed it meanwhile
-                    continue
-                temps += [entry / n for n in names if _TEMP.match(n)]
-                foreign = [n for n in names if not _STEP_FILE.match(n) and not _TEMP.match(n)]
-                if not writing:
-                    foreign = [n for n in foreign if n == "zarr.json"]
-                if foreign:
-                    what = (
-                        "a Zarr group (a ZarrTier location?)"
-                        if "zarr.json" in foreign
-                        else f"files a file tier never writes ({', '.join(foreign[:5])})"
-                    )
-                    raise ForeignLocationError(
-                        f"{entry} holds {what}; nothing was changed. Open the location with "
-                        "the tier that wrote it, or move that directory away.",
-                        location=where,
-                    )
-                if MANIFEST not in names:
-                    leftovers.append(entry)
-            elif _TEMP.match(name):
-                temps.append(entry)
-            elif not (_LOCK.match(name) or name == MARKER):
-                strangers.append(name)
-        if strangers and not marked and writing:
-            raise ForeignLocationError(
-                f"{self.root} holds {', '.join(strangers[:5])}"
-                f"{' and more' if len(strangers) > 5 else ''}, which a file tier did not "
-                "write, and no lazyckpt-file.json marker; nothing was changed. Give FileTier "
-                "an empty or new directory.",
-                location=where,
-            )
-        return marked, leftovers, temps
 
     async def aclose(self) -> None:
         if self._closed:
@@ -371,7 +293,7 @@ class FileTier(Tier):
         if direct:
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                _probe_direct(fd)
+                probe_direct(fd)
             except OSError as exc:
                 if fd >= 0:
                     os.close(fd)
@@ -400,7 +322,7 @@ class FileTier(Tier):
         # one job per shard, not one per piece and one more for the sync: each job costs
         # the pool thread and the engine loop a wake-up and a take of the interpreter lock,
         # which a launch-bound training thread pays for (docs/design.md, "Staying out of
-        # the training thread's way"); the pieces' writes and the sync release the lock
+        # the training thread's way"); the write and the sync release the lock
         await self._run(
             f"write shard {shard.index} to {path}",
             self._write_shard,
@@ -413,39 +335,9 @@ class FileTier(Tier):
     def _write_shard(self, fd: int, direct: bool, data: memoryview, offset: int) -> None:
         """Write a shard with one ``pwrite`` (more where the kernel writes less), then make
         it durable. Blocking."""
-        self._pwrite(fd, direct, data, offset)
+        pwrite(fd, direct, data, offset)
         hooks.point("file.write.before_sync")
         os.fdatasync(fd)
-
-    def _pwrite(self, fd: int, direct: bool, data: memoryview, offset: int) -> None:
-        if direct:
-            self._pwrite_direct(fd, data, offset)
-            return
-        while data:
-            n = os.pwrite(fd, data, offset)
-            data, offset = data[n:], offset + n
-
-    def _pwrite_direct(self, fd: int, data: memoryview, offset: int) -> None:
-        # O_DIRECT wants the address, length and offset aligned. Arena blocks are; whatever
-        # is not (a tail, a foreign buffer) goes through an aligned bounce buffer.
-        head = len(data) // ALIGN * ALIGN
-        aligned = _address(data) % ALIGN == 0
-        if head and aligned:
-            done = 0
-            while done < head:
-                done += os.pwrite(fd, data[done:head], offset + done)
-            data, offset = data[head:], offset + head
-        if data:
-            size = (len(data) + ALIGN - 1) // ALIGN * ALIGN
-            with mmap.mmap(-1, size) as bounce:
-                bounce[: len(data)] = data
-                view = memoryview(bounce)
-                try:
-                    done = 0
-                    while done < size:
-                        done += os.pwrite(fd, view[done:], offset + done)
-                finally:
-                    view.release()
 
     async def commit(self, manifest: Manifest) -> None:
         self._writable("commit a snapshot")
@@ -544,7 +436,7 @@ class FileTier(Tier):
                 names = await aiofiles.os.listdir(self.root)
             except FileNotFoundError:
                 return []
-            steps = {int(m.group(1)): name for name in names if (m := _STEP_DIR.match(name))}
+            steps = {int(m.group(1)): name for name in names if (m := STEP_DIR.match(name))}
             found = await asyncio.gather(
                 *(aiofiles.os.path.exists(self.root / name / MANIFEST) for name in steps.values())
             )
@@ -594,12 +486,12 @@ class FileTier(Tier):
         pool = self._reader()
         loop = asyncio.get_running_loop()
         with backend_errors(self.name, what):
-            fd = await loop.run_in_executor(pool, _open_for_reading, path)
+            fd = await loop.run_in_executor(pool, open_for_reading, path)
             starts = range(0, shard.length, self.piece_bytes)
             futures = [
-                pool.submit(_read_piece, fd, path, shard, out, s, self.piece_bytes) for s in starts
+                pool.submit(read_piece, fd, path, shard, out, s, self.piece_bytes) for s in starts
             ]
-            _close_after(fd, futures)  # not before every piece is done, cancelled or not
+            close_after(fd, futures)  # not before every piece is done, cancelled or not
             results = await asyncio.gather(
                 *(asyncio.wrap_future(f) for f in futures), return_exceptions=True
             )
@@ -659,7 +551,7 @@ class FileTier(Tier):
         for entry in self.root.iterdir():
             # only what delete() retired: a directory without a manifest may also be a step
             # another rank is writing
-            m = _STEP_DIR.match(entry.name)
+            m = STEP_DIR.match(entry.name)
             if (
                 m
                 and int(m.group(1)) not in keep
@@ -712,7 +604,7 @@ class FileTier(Tier):
         return sorted(
             int(m.group(1))
             for name in names
-            if (m := _STEP_DIR.match(name)) and (self.root / name / MANIFEST).exists()
+            if (m := STEP_DIR.match(name)) and (self.root / name / MANIFEST).exists()
         )
 
     def _read_references(self, step: int) -> frozenset[int] | None:
@@ -739,91 +631,6 @@ class FileTier(Tier):
 
 
 def _step_of(entry: Path) -> int:
-    m = _STEP_DIR.match(entry.name)
+    m = STEP_DIR.match(entry.name)
     assert m is not None
     return int(m.group(1))
-
-
-def _open_for_reading(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CorruptionError(f"{path} is missing") from None
-
-
-def _close_after(fd: int, futures: list[concurrent.futures.Future[None]]) -> None:
-    """Close ``fd`` once every future is done: a piece still reading when the restore is
-    cancelled would otherwise read from a closed (or, worse, reused) descriptor."""
-    if not futures:
-        os.close(fd)
-        return
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: object) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            os.close(fd)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-
-
-def _read_piece(
-    fd: int, path: Path, shard: ShardMeta, out: memoryview, start: int, piece: int
-) -> None:
-    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) into ``out``."""
-    stop = min(start + piece, shard.length)
-    done = start
-    while done < stop:
-        n = os.preadv(fd, [out[done:stop]], shard.offset + done)
-        if n == 0:
-            raise CorruptionError(f"{path} is truncated: shard {shard.index} ends past the file")
-        done += n
-
-
-def _marker_document() -> bytes:
-    return json.dumps({"format": MARKER_FORMAT, "version": LAYOUT_VERSION}).encode()
-
-
-def _check_marker(path: Path) -> None:
-    """The marker must say "file tier", in a format this version reads."""
-    try:
-        doc = json.loads(path.read_bytes())
-        kind, version = doc["format"], doc["version"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ForeignLocationError(
-            f"{path} is not a file tier's marker ({exc!r:.100}); nothing was changed",
-            location=str(path.parent),
-        ) from None
-    if kind != MARKER_FORMAT:
-        raise ForeignLocationError(
-            f"{path} marks a location of kind {kind!r}, not a file tier's; nothing was changed",
-            location=str(path.parent),
-        )
-    if type(version) is not int or version > LAYOUT_VERSION:
-        raise ConfigurationError(
-            f"{path.parent} was written by a newer lazyckpt (file layout {version!r}, this "
-            f"version reads up to {LAYOUT_VERSION}); upgrade lazyckpt"
-        )
-
-
-def _probe_direct(fd: int) -> None:
-    """Some file systems accept O_DIRECT at open and refuse it at the first write: find out
-    now, with one aligned block at the start of the file (a shard overwrites it later)."""
-    with mmap.mmap(-1, ALIGN) as block:
-        view = memoryview(block)
-        try:
-            os.pwrite(fd, view, 0)
-        finally:
-            view.release()
-
-
-def _address(view: memoryview) -> int:
-    import ctypes
-
-    if view.readonly:
-        return -1
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))

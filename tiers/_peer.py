@@ -65,9 +65,10 @@ from typing import Any
 
 import crc32c
 
-from lazyckpt import (
+from lazyckpt.tier import (
     ConfigurationError,
     CorruptionError,
+    Exchange,
     LazyCkptError,
     Manifest,
     ShardMeta,
@@ -77,8 +78,10 @@ from lazyckpt import (
     TierClosedError,
     TierFullError,
     TierLevel,
+    backend_errors,
+    node_identity,
+    place_replicas,
 )
-from lazyckpt.tier import Exchange, node_identity, place_replicas
 
 from ._file import FileTier
 
@@ -118,7 +121,10 @@ class PeerTier(Tier):
         timeout: seconds one request to a peer may take (connecting included) before it
             fails with :class:`~lazyckpt.TierBrokenError` and the next holder (or, on a
             restore, the next tier) is tried.
-        linger: seconds ``aclose`` keeps serving peers still connected.
+        linger: seconds ``aclose`` keeps serving peers still connected (default 10): a
+            rank that finished its restore does not pull its replicas away from a peer
+            still reading them. Keep it below a preemption's grace period: a peer whose
+            node vanished without closing its connections is waited for that long.
         name, keep_last, keep_every: as for every tier; retention deletes this rank's old
             steps on its holders.
     """
@@ -135,7 +141,7 @@ class PeerTier(Tier):
         address: str | None = None,
         port: int = 0,
         timeout: float = 60.0,
-        linger: float = 30.0,
+        linger: float = 10.0,
         name: str | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
@@ -454,21 +460,20 @@ class PeerTier(Tier):
         where = f"peer rank {holder} ({host}:{port}), {header['op']} step {header.get('step')}"
         conn = None
         try:
-            async with asyncio.timeout(self.timeout):
-                conn = await self._connection(holder)
-                await conn.send(header, payload)
-                reply, size = await conn.receive_header()
-                if into is not None and size == len(into) and "error" not in reply:
-                    await conn.receive_into(into)
-                    reply["into"], data = True, bytearray()
-                else:
-                    data = await conn.receive(size)
-                    reply["size"] = size
-        except (OSError, EOFError, TimeoutError, ValueError) as exc:
-            if conn is not None:
-                conn.close()
-            raise TierBrokenError(f"{where}: {exc!r}", tier=self.name) from exc
-        except BaseException:  # cancelled mid-request: the connection is out of step
+            # the one mapping of backend errors: a dropped connection, a timeout or a
+            # garbled frame is TierBrokenError (retried by the engine)
+            with backend_errors(self.name, where):
+                async with asyncio.timeout(self.timeout):
+                    conn = await self._connection(holder)
+                    await conn.send(header, payload)
+                    reply, size = await conn.receive_header()
+                    if into is not None and size == len(into) and "error" not in reply:
+                        await conn.receive_into(into)
+                        reply["into"], data = True, bytearray()
+                    else:
+                        data = await conn.receive(size)
+                        reply["size"] = size
+        except BaseException:  # failed or cancelled mid-request: the connection is out of step
             if conn is not None:
                 conn.close()
             raise

@@ -20,11 +20,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ranks import commit_each
 
 import lazyckpt
 from lazyckpt import Manifest, ShardMeta, TierLevel
 from tiers import FileTier, HostMemoryTier, PeerTier
+
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.ranks import commit_each
 
 
 class CountingFileTier(FileTier):
