@@ -475,8 +475,8 @@ class Engine:
         """The most bytes one capture job copies (0: one shard per flow). Large enough that
         the per-job cost is paid a few times per snapshot, small enough that checksums and
         writes start while later batches are still being copied."""
-        if not isinstance(self.capture, BatchCapture):
-            return 0
+        if not isinstance(self.capture, BatchCapture) or not isinstance(self.checksums, ChecksumPool):
+            return 0  # a stage that works one shard at a time (a test's stand-in)
         return max(self.layout.shard_size, _BATCH_BYTES)
 
     def _start_host_stage(
@@ -484,7 +484,7 @@ class Engine:
     ) -> None:
         for i, block in batch:
             flight.blocks[i] = block
-        if isinstance(self.capture, BatchCapture):
+        if self._batch_limit():
             tg.create_task(self._batch_flow(flight, tg, batch))
         else:  # then a batch is one shard
             for i, block in batch:
@@ -636,21 +636,16 @@ class Engine:
     async def _checksum_batch(
         self, flight: Flight, batch: Sequence[tuple[int, Block]]
     ) -> list[tuple[int, str | None]] | None:
-        """:meth:`_checksum` of each block of a captured batch, in one pool job where the
-        checksum stage can (``checksums_many``); None once the snapshot failed."""
+        """:meth:`_checksum` of each block of a captured batch, in one pool job; None once
+        the snapshot failed."""
         if self._failed_at(flight, 0):
             return None
         blocks = [block for _, block in batch]
         digests = [bool(flight.hashing[i]) if flight.hashing else False for i, _ in batch]
-        many = getattr(self.checksums, "checksums_many", None)
-        if not callable(many):  # a stand-in stage (tests): one checksum per block
-            each = await asyncio.gather(
-                *(self._checksum(flight, b, d) for b, d in zip(blocks, digests, strict=True))
-            )
-            found = [s for s in each if s is not None]
-            return found if len(found) == len(each) and not self._failed_at(flight, 0) else None
+        stage = self.checksums
+        assert isinstance(stage, ChecksumPool), "batches only with a batch-capable stage"
         try:
-            sums: list[tuple[int, str | None]] = list(await many(blocks, digests))
+            sums = await stage.checksums_many(blocks, digests)
         except Exception as exc:
             self._fail(flight, 0, exc)
             return None

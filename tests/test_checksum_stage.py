@@ -235,3 +235,102 @@ async def test_an_error_after_the_capture_leaks_no_block(tmp_path: Path) -> None
     finally:
         hooks.set_hook(None)
         await ckpt.aclose()
+
+
+# -- the batched CPU path: a batch of shards per capture job and per checksum job ------------
+
+
+def wide_state(step: int) -> dict[str, Any]:
+    """Large tensors cut into many 64 KiB shards, and small ones packed with gaps."""
+    g = torch.Generator().manual_seed(step)
+    out: dict[str, Any] = {f"w{k}": torch.randn(128, 256, generator=g) for k in range(6)}
+    out.update({f"b{k}": torch.randn(37 + k, generator=g) for k in range(20)})
+    out["ids"] = torch.arange(1000, dtype=torch.int64) * step
+    return out
+
+
+def count_batches(ckpt: lazyckpt.Checkpointer) -> dict[str, list[int]]:
+    """Wrap the engine's batch calls, recording how many shards each one carried."""
+    engine = ckpt._core.engine
+    seen: dict[str, list[int]] = {"capture": [], "checksum": []}
+    capture_batch, checksums_many = engine.capture.capture_batch, engine.checksums.checksums_many
+
+    async def counted_capture(jobs: Any) -> None:
+        seen["capture"].append(len(jobs))
+        await capture_batch(jobs)
+
+    async def counted_checksums(blocks: Any, digests: Any) -> Any:
+        seen["checksum"].append(len(blocks))
+        return await checksums_many(blocks, digests)
+
+    engine.capture.capture_batch = counted_capture
+    engine.checksums.checksums_many = counted_checksums
+    return seen
+
+
+async def test_cpu_shards_are_copied_and_checksummed_by_batches(tmp_path: Path) -> None:
+    file_tier = FaultyTier(FileTier(tmp_path / "f"))
+    async with lazyckpt.Checkpointer([HostMemoryTier(16 << 20), file_tier], **SMALL) as ckpt:
+        seen = count_batches(ckpt)
+        handle = await ckpt.snapshot(wide_state(1), step=1)
+        await asyncio.wait_for(handle.committed(), 30)
+        assert handle.stats is not None
+        shards = handle.stats.shards
+        assert shards > 8
+        # every shard exactly once, in fewer jobs than shards
+        assert sum(seen["capture"]) == sum(seen["checksum"]) == shards
+        assert len(seen["capture"]) < shards and len(seen["checksum"]) < shards
+        assert file_tier.calls["put_shard"] == shards  # the tiers still go shard by shard
+    async with lazyckpt.Checkpointer([FileTier(tmp_path / "f")]) as fresh:
+        restored = await fresh.restore(step=1)
+    for key, value in wide_state(1).items():
+        assert torch.equal(restored[key], value), key
+
+
+async def test_a_failing_batch_checksum_fails_the_snapshot_and_leaks_no_block(
+    tmp_path: Path,
+) -> None:
+    file_tier = FaultyTier(FileTier(tmp_path / "f"))
+    async with lazyckpt.Checkpointer([HostMemoryTier(16 << 20), file_tier], **SMALL) as ckpt:
+        engine = ckpt._core.engine
+        real = engine.checksums.checksums_many
+
+        async def broken(blocks: Any, digests: Any) -> Any:
+            raise OSError("checksum thread lost")
+
+        engine.checksums.checksums_many = broken
+        handle = await ckpt.snapshot(wide_state(1), step=1)
+        with pytest.raises(SnapshotFailedError) as info:
+            await asyncio.wait_for(handle.committed(), 30)
+        assert info.group_contains(OSError, match="checksum thread lost")
+        await asyncio.wait_for(asyncio.wrap_future(engine.loop.submit(engine.drain())), 10)
+        arena = engine.arena.stats()
+        assert (arena.held, arena.evictable) == (0, 0)
+        assert file_tier.calls["put_shard"] == 0 and file_tier.calls["commit"] == 0
+        assert await ckpt.steps() == []
+        engine.checksums.checksums_many = real  # the next snapshot is whole again
+        await asyncio.wait_for((await ckpt.snapshot(wide_state(2), step=2)).committed(), 30)
+        assert await ckpt.steps() == [2]
+
+
+async def test_a_source_changed_before_its_batch_is_copied_fails_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    """The version check follows the copy of the whole batch, as it followed each shard's."""
+    async with lazyckpt.Checkpointer([HostMemoryTier(16 << 20)], **SMALL) as ckpt:
+        engine = ckpt._core.engine
+        capture_batch = engine.capture.capture_batch
+        values = wide_state(1)
+        values["big"] = torch.randn(512, 1024)  # over eager_bytes: captured lazily
+
+        async def change_then_copy(jobs: Any) -> None:
+            values["big"].add_(1.0)  # in place: its version counter moves
+            await capture_batch(jobs)
+
+        engine.capture.capture_batch = change_then_copy
+        handle = await ckpt.snapshot(values, step=1)
+        with pytest.raises(SnapshotFailedError) as info:
+            await asyncio.wait_for(handle.committed(), 30)
+        assert info.group_contains(lazyckpt.ImmutabilityViolationError)
+        await asyncio.wait_for(asyncio.wrap_future(engine.loop.submit(engine.drain())), 10)
+        assert engine.arena.stats().held == 0
