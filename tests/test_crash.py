@@ -119,16 +119,15 @@ async def test_kill_anywhere_keeps_the_last_commit(kind: str, tmp_path: Path) ->
 
 # the points where an incremental snapshot's references are at stake: its commit, the
 # retention that retires referenced steps and collects them, and a kill from outside
-INCREMENTAL_POINTS = [
-    p for p in POINTS if p.startswith(("file.", "tier.", "retention."))
-]
+def incremental_points(kind: str) -> list[str]:
+    return [p for p in POINTS if p.startswith((f"{kind}.", "tier.", "retention."))]
 
 
-async def check_references(root: Path) -> list[int]:
-    """Open the file tier as a restarted writer would (sweeping what a crash left): every
+async def check_references(root: Path, kind: str) -> list[int]:
+    """Open the tier as a restarted writer would (sweeping what a crash left): every
     listed step restores bit for bit, and every step directory left on disk is listed or
     holds data a listed step refers to."""
-    tier = durable_tier(root, "file")
+    tier = durable_tier(root, kind)
     async with lazyckpt.Checkpointer([tier]) as ckpt:
         steps = await ckpt.steps()
         referred: set[int] = set()
@@ -138,14 +137,18 @@ async def check_references(root: Path) -> list[int]:
                 f"step {step} differs"
             )
     assert referred <= set(range(max(steps, default=0)))  # references go back in time
-    on_disk = {int(p.name[5:]) for p in (root / "file").glob("step-*")}
+    on_disk = {int(p.name[5:]) for p in (root / kind).glob("step-*")}
     assert on_disk <= set(steps) | referred, f"unreferenced data left: {on_disk - set(steps) - referred}"
     return steps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["1", "versions"])
-async def test_kill_anywhere_keeps_incremental_steps_whole(mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "mode"), [("file", "1"), ("file", "versions"), *([("zarr", "1")] if "zarr" in TIERS else [])]
+)
+async def test_kill_anywhere_keeps_incremental_steps_whole(
+    kind: str, mode: str, tmp_path: Path
+) -> None:
     """Incremental snapshots under kills: a committed step never refers to data that was
     deleted or half written, whatever the point of the kill (commit, retention's retiring
     and collecting, or a random moment), and nothing unreferenced survives a restart."""
@@ -159,12 +162,13 @@ async def test_kill_anywhere_keeps_incremental_steps_whole(mode: str, tmp_path: 
             kill_after = rng.uniform(0.5, 3.0)
             env.pop("LAZYCKPT_CRASH_AT", None)
         else:
-            point = INCREMENTAL_POINTS[trial % len(INCREMENTAL_POINTS)]
+            points = incremental_points(kind)
+            point = points[trial % len(points)]
             env["LAZYCKPT_CRASH_AT"] = f"{point}:{rng.randint(1, 8)}"
         first = latest + 1 if latest is not None else 0
-        code = run_child(tmp_path, "file", first, env, kill_after, wait="committed")
+        code = run_child(tmp_path, kind, first, env, kill_after, wait="committed")
         reached += code != 0
-        steps = await check_references(tmp_path)
+        steps = await check_references(tmp_path, kind)
         if latest is not None:
             assert steps and steps[-1] >= latest, "a committed step was lost"
         latest = steps[-1] if steps else latest

@@ -274,6 +274,8 @@ class ZarrTier(ZarrWriter):
                 )
         # what a crash left: snapshots that never reached the index
         await self._all(self._request(self._store.delete_dir(p)) for p in leftovers)
+        if self._retired(root):  # retired steps whose last referrer went before a crash
+            await self.collect()
 
     def _check_root_names(self, names: list[str]) -> list[str]:
         """The step groups at a root without its ``zarr.json``; raises
