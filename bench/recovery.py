@@ -18,6 +18,17 @@ runs in a fresh process, as a restarted job does:
 - ``dcp.load``: ``torch.distributed.checkpoint.load`` from the local directory, then
   ``set_state_dict``.
 
+With ``--peers`` it measures peer replicas instead (``tiers.PeerTier``): a job of 2 ranks on
+2 simulated nodes (gloo and the replica traffic on loopback) checkpoints once through host,
+local, peer and the throttled PFS tier; then each case restarts the whole job, and rank 0
+(node "a") is measured:
+
+- ``local eager``: nothing lost; rank 0 reads its local tier;
+- ``peer eager`` / ``peer lazy``: node "a" was replaced (rank 0's local tier and replica
+  directory are new, empty ones): rank 0 reads its shards from rank 1's replica;
+- ``pfs eager`` / ``pfs lazy``: node "a" replaced and node "b"'s replicas gone too: rank 0
+  reads the PFS tier.
+
 Each case reports: process start to first optimizer step (``start_to_step``, which includes
 importing torch), and from the restore call: to its return, to the end of the first
 forward and backward pass (``to_forward``), and to the end of the first optimizer step
@@ -40,6 +51,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = ["local eager", "local lazy", "pfs eager", "pfs lazy", "dcp.load"]
+PEER_CASES = ["local eager", "peer eager", "peer lazy", "pfs eager", "pfs lazy"]
 
 
 def build(model_mib: int) -> tuple[Any, Any]:
@@ -93,6 +105,155 @@ def chain(root: Path, args: argparse.Namespace, with_local: bool) -> list[Any]:
     if with_local:
         tiers.append(FileTier(root / "local", name="local"))
     return [*tiers, pfs]
+
+
+def peer_chain(root: Path, args: argparse.Namespace, rank: int, case: str, run: str) -> list[Any]:
+    """The chain of rank ``rank`` (node "a" for rank 0, "b" for rank 1) in a peer case; a
+    replaced node's directories are new, empty ones (``run`` names them)."""
+    import asyncio
+
+    from lazyckpt import Manifest, ShardMeta, TierLevel
+    from tiers import FileTier, HostMemoryTier, PeerTier
+
+    class ThrottledFileTier(FileTier):
+        """The PFS model of :func:`chain`, as a FileTier (several ranks commit through it)."""
+
+        level = TierLevel.PFS
+        free_at = 0.0
+
+        async def read_manifest(self, step: int) -> Manifest:
+            await asyncio.sleep(args.pfs_latency_ms / 1000)
+            return await super().read_manifest(step)
+
+        async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+            now = asyncio.get_running_loop().time()
+            self.free_at = max(now, self.free_at) + len(out) / (args.pfs_mib_s * (1 << 20))
+            await asyncio.sleep(self.free_at - now + args.pfs_latency_ms / 1000)
+            await super().read_shard(manifest, shard, out)
+
+    node = "a" if rank == 0 else "b"
+    local, peer = root / f"node-{node}" / "local", root / f"node-{node}" / "peer"
+    fresh = root / "replaced" / run
+    if node == "a" and case.split()[0] in ("peer", "pfs"):
+        local, peer = fresh / "local", fresh / "peer"
+    if node == "b" and case.split()[0] == "pfs":
+        peer = fresh / "peer-b"
+    return [
+        HostMemoryTier(32 << 20),
+        FileTier(local, name="local"),
+        PeerTier(peer, node=node, address="127.0.0.1", name="peer"),
+        ThrottledFileTier(root / "pfs", name="pfs"),
+    ]
+
+
+def peer_rank(root: Path, case: str, started: float, rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of a 2-rank job: ``setup`` checkpoints once; a case restores and steps."""
+    import torch.distributed as dist
+
+    import lazyckpt
+
+    dist.init_process_group("gloo")
+    try:
+        model, optim = build(args.model_mib)
+        if case == "setup":
+            train_step(model, optim)
+            with lazyckpt.SyncCheckpointer(peer_chain(root, args, rank, case, ""), shard_size=8 << 20) as ckpt:
+                ckpt.snapshot({"model": model, "optim": optim}, step=1).wait()
+            return {"model_bytes": sum(p.numel() * 4 for p in model.parameters())}
+        forward: list[float] = []
+        t0 = time.perf_counter()
+        tiers = peer_chain(root, args, rank, case, f"{case.replace(' ', '-')}-{started}")
+        with lazyckpt.SyncCheckpointer(tiers, shard_size=8 << 20) as ckpt:
+            ckpt.guard(optim)
+            opened = time.perf_counter()
+            ckpt.restore(1, into={"model": model, "optim": optim}, lazy=case.endswith("lazy"))
+            returned = time.perf_counter()
+            train_step(model, optim, forward)
+            stepped = time.perf_counter()
+            dist.barrier()  # the peer keeps serving until every rank is through
+            served = dict(tiers[2].served)
+        return {
+            "start_to_step": time.time() - started - (time.perf_counter() - stepped),
+            "open": opened - t0,
+            "restore_returned": returned - t0,
+            "to_forward": forward[0] - t0,
+            "to_step": stepped - t0,
+            "restore_only": returned - opened,
+            "restore_to_step": stepped - opened,
+            "served_reads": served.get("read", 0),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def run_peer_job(root: Path, case: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    common = [
+        "--model-mib", str(args.model_mib),
+        "--pfs-mib-s", str(args.pfs_mib_s),
+        "--pfs-latency-ms", str(args.pfs_latency_ms),
+    ]
+    started = time.time()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, *common, "--peer-child", str(root), case, repr(started), str(rank)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        ))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            if p.returncode:
+                raise SystemExit(f"{case}: {err[-3000:]}")
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def peer_main(args: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(prefix="lazyckpt-recovery-peers-"))
+    try:
+        model_bytes = run_peer_job(root, "setup", args)[0]["model_bytes"]
+        results: dict[str, list[dict[str, float]]] = {c: [] for c in PEER_CASES}
+        for r in range(args.rounds):
+            order = PEER_CASES[r % len(PEER_CASES):] + PEER_CASES[: r % len(PEER_CASES)]
+            for case in order:
+                rank0, rank1 = run_peer_job(root, case, args)
+                rank0["rank1_served_reads"] = rank1["served_reads"]
+                results[case].append(rank0)
+                print(case, rank0, flush=True)
+        summary = {
+            "ranks": 2,
+            "model_bytes": model_bytes,
+            "state_bytes": model_bytes * 3,
+            "pfs_mib_s": args.pfs_mib_s,
+            "pfs_latency_ms": args.pfs_latency_ms,
+            "rounds": args.rounds,
+            "median": {
+                case: {k: sorted(x[k] for x in runs)[len(runs) // 2] for k in runs[0]}
+                for case, runs in results.items()
+            },
+            "runs": results,
+        }
+        print(json.dumps(summary["median"], indent=1))
+        if args.out is not None:
+            args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def setup(root: Path, args: argparse.Namespace) -> int:
@@ -152,8 +313,17 @@ def main() -> None:
     parser.add_argument("--pfs-mib-s", type=float, default=400.0)
     parser.add_argument("--pfs-latency-ms", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--peers", action="store_true", help="peer replicas: 2 ranks on 2 simulated nodes")
     parser.add_argument("--child", nargs=3, metavar=("ROOT", "CASE", "STARTED"), help=argparse.SUPPRESS)
+    parser.add_argument("--peer-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peer_child:
+        root, case, started, rank = args.peer_child
+        print(json.dumps(peer_rank(Path(root), case, float(started), int(rank), args)))
+        return
+    if args.peers:
+        peer_main(args)
+        return
     if args.child:
         root, case, started = args.child
         print(json.dumps(child(Path(root), case, float(started), args)))

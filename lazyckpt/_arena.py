@@ -1,7 +1,8 @@
 """The host arena: one pre-allocated, pre-faulted, page-aligned buffer, handed out in blocks.
 
-Allocating host memory on the fly costs about ten times more in page faults (a fresh buffer copies at
-0.6-1.6 GiB/s, a warm one at 6-10 GiB/s), and an unbounded staging area is the most common
+Allocating host memory on the fly costs several times more in page faults than copying into
+memory already touched (the figures: ``docs/design.md``, "Figures behind choices in the
+code"), and an unbounded staging area is the most common
 complaint about asynchronous checkpointing (host memory blowing up). So the arena is
 allocated once, touched once, and every capture waits for a block of it: that wait *is* the
 backpressure.

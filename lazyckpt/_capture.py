@@ -128,8 +128,9 @@ def block_checksums(block: Block, digest: bool) -> tuple[int, str | None]:
 
 
 def default_checksum_threads() -> int:
-    """Half the cores, at most 8: crc32c runs at 10-20 GB/s per core, and a PCIe 5
-    device-to-host copy moves about 50 GB/s; the other half is left to training and I/O."""
+    """Half the cores, at most 8: a few cores' crc32c keep up with a device-to-host link
+    (the figures: ``docs/design.md``, "Figures behind choices in the code"); the other half
+    is left to training and I/O."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 

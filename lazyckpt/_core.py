@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -41,6 +41,7 @@ from ._errors import (
 )
 from ._gc import collector_paused
 from ._handle import SnapshotHandle
+from ._lazy import LazyRestores
 from ._manifest import Manifest, plan_layout
 from ._optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
 from ._options import CheckpointerOptions
@@ -78,8 +79,7 @@ class _Core:
         self._owned_cache: tuple[tuple[Any, ...], set[int]] | None = None
         # lazy restores: per guarded optimizer (by id) the future of its state's restore,
         # and the engine-side tasks still loading (close and the next restore wait for them)
-        self._restoring: dict[int, concurrent.futures.Future[None]] = {}
-        self._lazy_tasks: set[asyncio.Task[None]] = set()
+        self.lazy = LazyRestores()
 
     @property
     def cuda(self) -> CudaCapture | None:
@@ -134,7 +134,7 @@ class _Core:
             )
             return SnapshotHandle(self.engine, None, step)
         self.report_failures()
-        self.wait_restored_blocking()  # a snapshot must not see half-loaded optimizer state
+        self.lazy.wait_blocking()  # a snapshot must not see half-loaded optimizer state
         with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
             tree, refs = walk_state(
                 state, allow_pickle=self.options.allow_pickle, keys=self._keys
@@ -144,7 +144,7 @@ class _Core:
             chosen = self.policy.choose(refs, self.owned_pointers())
             if chosen:
                 copy_eager(refs, chosen)
-            if any(r.dist is not None for r in refs):
+            if [r for r in refs if r.dist is not None]:
                 dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
                 assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
             manifest, nbytes = self._plan(step, tree, refs)
@@ -227,11 +227,11 @@ class _Core:
         ``snapshot()``'s cost."""
         # parallel tuples rather than one tuple per tensor: fewer objects for the collector
         signature = (
-            tuple(r.key for r in refs),
-            tuple(r.tensor.dtype for r in refs),
-            tuple(r.tensor.shape for r in refs),
-            tuple(r.alias_of for r in refs),
-            tuple(r.dist for r in refs),
+            tuple([r.key for r in refs]),
+            tuple([r.tensor.dtype for r in refs]),
+            tuple([r.tensor.shape for r in refs]),
+            tuple([r.alias_of for r in refs]),
+            tuple([r.dist for r in refs]),
         )
         pickled = self.options.allow_pickle and "$pickle" in _tags(tree)
         cached = self._plan_cache
@@ -287,9 +287,7 @@ class _Core:
         def wait() -> None:
             # a lazy restore still loading this optimizer's state holds its step; a failed
             # one raises: stepping on state that was not restored would corrupt training
-            restoring = self._restoring.get(id(opt))
-            if restoring is not None:
-                restoring.result()
+            self.lazy.hold(opt)
             # never raises into the optimizer step: a failed snapshot must not cost a
             # training step; failures go to the handle, the log, metrics and the policy
             if self._closing:
@@ -314,37 +312,6 @@ class _Core:
         self._guards.append((opt, handle))
         return handle
 
-    def lazy_targets(self, into: Any) -> dict[Any, torch.optim.Optimizer]:
-        """The top-level entries of ``into`` that a lazy restore defers: the optimizers
-        (or their wrappers) that ``guard()`` watches, by key."""
-        if not isinstance(into, Mapping):
-            raise ConfigurationError(
-                "restore(lazy=True) needs into= a mapping whose entries include the guarded "
-                f"optimizers, got {type(into).__qualname__}"
-            )
-        live = {id(opt): opt for opt, handle in self._guards if hook_installed(opt, handle)}
-        found: dict[Any, torch.optim.Optimizer] = {}
-        for key, value in into.items():
-            try:
-                opt = unwrap_optimizer(value)
-            except ConfigurationError:
-                continue
-            if id(opt) in live:
-                found[key] = opt
-        return found
-
-    def wait_restored_blocking(self) -> None:
-        """Block until every lazy restore has loaded its optimizers' state (any thread but
-        the engine's); a failed one is not raised here (the guarded step raises it)."""
-        pending = [f for f in self._restoring.values() if not f.done()]
-        if pending:
-            concurrent.futures.wait(pending)
-
-    async def settle_lazy(self) -> None:
-        """Wait (engine loop) for the lazy restores still loading."""
-        while self._lazy_tasks:
-            await asyncio.wait(set(self._lazy_tasks))
-
     async def restore_on_engine(
         self,
         step: int | None,
@@ -356,8 +323,8 @@ class _Core:
             raise ConfigurationError(f"step must be a non-negative int or None, got {step!r}")
         if type(lazy) is not bool:
             raise ConfigurationError(f"lazy must be True or False, got {lazy!r}")
-        deferred = self.lazy_targets(into) if lazy else {}
-        await self.settle_lazy()  # one restore at a time into the same optimizers
+        deferred = self.lazy.targets(into, self._guarded()) if lazy else {}
+        await self.lazy.settle()  # one restore at a time into the same optimizers
         if step is None and self.engine.coordinator is not None:
             agreed = await self.steps_on_engine()  # all ranks restore the same step
             if not agreed:
@@ -394,7 +361,8 @@ class _Core:
                     checksum=checksum,
                 )
                 if rest is not None:
-                    self._start_lazy(manifest.step, rest, deferred.values())
+                    step = manifest.step
+                    self.lazy.start(step, rest, deferred.values(), lambda: self._unprotect(step))
                     handed_over = True  # the rest of the restore unprotects the step
                     return into
             return await restore_state(
@@ -409,48 +377,15 @@ class _Core:
             if not handed_over:
                 self._unprotect(manifest.step)
 
+    def _guarded(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose guard is still installed (the user may have removed one)."""
+        return [opt for opt, handle in self._guards if hook_installed(opt, handle)]
+
     def _unprotect(self, step: int) -> None:
         protected = self.engine.protected
         protected[step] -= 1
         if not protected[step]:
             del protected[step]
-
-    def _start_lazy(
-        self,
-        step: int,
-        rest: Callable[[], Awaitable[None]],
-        optimizers: Iterable[torch.optim.Optimizer],
-    ) -> None:
-        """Load the deferred optimizer state in the background (engine loop); each
-        optimizer's guard holds its step until it is done."""
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        optimizers = list(optimizers)
-        for opt in optimizers:
-            self._restoring[id(opt)] = done
-
-        async def run() -> None:
-            try:
-                await rest()
-            except BaseException as exc:
-                log.error(
-                    "lazyckpt: the lazy restore of step %d could not load the optimizer "
-                    "state: %s; the guarded optimizer.step() raises it",
-                    step, exc, extra={"step": step},
-                )
-                done.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                done.set_result(None)
-                for opt in optimizers:  # loaded: nothing left for the guard to wait for
-                    if self._restoring.get(id(opt)) is done:
-                        del self._restoring[id(opt)]
-            finally:
-                self._unprotect(step)
-
-        task = asyncio.get_running_loop().create_task(run(), name=f"lazyckpt-lazy-restore-{step}")
-        self._lazy_tasks.add(task)
-        task.add_done_callback(self._lazy_tasks.discard)
 
     async def verify_on_engine(self, step: int | None) -> VerifyReport:
         if step is not None and (type(step) is not int or step < 0):
@@ -532,7 +467,7 @@ class _Core:
             raise errors[0]
 
     async def close_on_engine(self) -> None:
-        await self.settle_lazy()
+        await self.lazy.settle()
         await self.engine.close()
 
     async def drain_on_engine(self, timeout: float | None) -> DrainReport:  # noqa: ASYNC109

@@ -55,6 +55,7 @@ from ._flight import Flight, SnapshotStats
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._options import CheckpointerOptions
+from ._replica import join_peers
 from ._state import Event, StateTable, advance, build_table
 from ._tier import SupportsGlobalCommit, SupportsReferences, SupportsStaging, Tier
 from ._tiercall import RetryPolicy, call_tier
@@ -174,6 +175,8 @@ class Engine:
         await loop.run_in_executor(None, self.arena.allocate_memory)
         await asyncio.gather(*(t.open() for t in self.tiers))
         if self.coordinator is not None:
+            # tiers that keep replicas on other ranks meet their peers (_replica)
+            await join_peers(self.tiers, partial(self.coordinator.gather, 0))
             await self.coordinator.barrier()  # nobody writes before every rank cleaned up
         self._tier_sems = [asyncio.Semaphore(self.options.io_concurrency) for _ in self.durable]
         # retention: one pass at a time per tier; a pass not yet listing covers new commits

@@ -4,8 +4,9 @@
 manifest, allocate a few container objects per tensor. Each allocation counts toward the
 collector's thresholds, so a burst of 100,000 tensors triggers hundreds of collections,
 and among them full ones, each of which traverses every object of the process (the
-model's and the optimizer's included). The burst is then quadratic in effect: measured on
-a 2-vCPU machine, 100,000 tiny tensors cost over a second of collection per snapshot.
+model's and the optimizer's included). The burst is then quadratic in effect: on a state of
+100,000 tiny tensors the collection costs more than the snapshot itself (the figures:
+``docs/design.md``, "Figures behind choices in the code").
 
 Nothing these bursts allocate forms a reference cycle (reference counting frees what
 dies), so the collector has nothing to find there. :func:`collector_paused` turns it off

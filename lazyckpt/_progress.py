@@ -61,6 +61,9 @@ class Progress:
         label: what the operation is, shown at the start of every line.
         unit: what is counted when it is not bytes, plural (``"snapshots"``): the numbers
             are then shown as counts (``3 of 40 snapshots``).
+        summary: False prints the last line only when a progress line was shown before it
+            (the operation was long enough to need one) or the operation failed, so a quick
+            operation prints nothing.
         stream: where to write; ``None`` means ``sys.stderr`` at the time of the call,
             so that results on stdout stay clean for pipes.
         tty: draw a redrawn bar (True) or plain lines (False); ``None`` asks the stream.
@@ -76,6 +79,7 @@ class Progress:
         label: str,
         *,
         unit: str | None = None,
+        summary: bool = True,
         stream: TextIO | None = None,
         tty: bool | None = None,
         enabled: bool = True,
@@ -86,6 +90,7 @@ class Progress:
         self.total = max(0, int(total))
         self.label = label
         self.unit = unit
+        self.summary = summary
         self.done = 0
         self._stream = stream if stream is not None else sys.stderr
         if tty is None:
@@ -98,6 +103,7 @@ class Progress:
         self._start = clock()
         self._last_shown = self._start
         self._closed = False
+        self._shown = False
         self._width = 0
 
     def __enter__(self) -> Progress:
@@ -131,7 +137,7 @@ class Progress:
         if self._closed:
             return
         self._closed = True
-        if not self.enabled:
+        if not self.enabled or not (self.summary or self._shown or failed):
             return
         elapsed = self.elapsed
         if failed:
@@ -173,6 +179,7 @@ class Progress:
         return ", ".join(parts)
 
     def _show(self, now: float) -> None:
+        self._shown = True
         if self.tty:
             self._draw_bar(now)
         else:

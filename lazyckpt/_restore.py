@@ -18,6 +18,7 @@ compiled model's snapshot restores into the plain model and back.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import random
 import warnings
@@ -229,14 +230,16 @@ async def _restore_shard(
     await read_verified(manifest, shard, sources, out, checksum=checksum, problems=problems)
     if buffer is not None:
         tensors, all_staging = manifest.tensors, dests.staging
+        base = buffer.data_ptr()
         for seg in shard.segments:
             meta = tensors[seg.tensor]
             staging = all_staging[seg.tensor]
             assert staging is not None
-            if meta.mode == "pack":  # the usual case, thousands per shard: no slicing
-                staging.reshape(-1).view(torch.uint8).copy_(
-                    buffer[seg.offset : seg.offset + staging.nbytes]
-                )
+            if meta.mode == "pack":  # the usual case, thousands per shard
+                # a staging tensor is contiguous host memory of the tensor's size, and the
+                # manifest's decoder checked that the segment lies inside the shard: one
+                # memmove, where three tensor operations cost some 10 µs per tiny tensor
+                ctypes.memmove(staging.data_ptr(), base + seg.offset, staging.nbytes)
                 continue
             manifest.tensor_part(seg, staging).copy_(manifest.shard_part(seg, buffer))
 
@@ -255,8 +258,8 @@ async def restore_state(
     ``checksum`` computes each shard's crc32c (the Checkpointer's checksum pool)."""
     if manifest.pickled and not allow_pickle:
         decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
-    manifest = align_into(manifest, into)
     with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
+        manifest = align_into(manifest, into)
         dests = _Destinations(manifest, into, map_location)
     problems: list[Exception] = []
     shards: Sequence[ShardMeta] = manifest.shards
@@ -402,8 +405,9 @@ def apply_into(into: Any, restored: Any, key: str = "") -> None:
 
 def _stateful(obj: Any) -> bool:
     """A Stateful object that is not a mapping (a module, an optimizer). Plain dicts and
-    tensors are answered at once: the Protocol's isinstance costs tens of µs, and a state
-    of 100,000 tensors asks once per container and per tensor."""
+    tensors are answered at once: the Protocol's isinstance is slow, and it would be asked
+    once per container and per tensor (``docs/design.md``, "Figures behind choices in the
+    code")."""
     if type(obj) in _NEVER_STATEFUL or obj is None:
         return False
     return isinstance(obj, Stateful) and not isinstance(obj, Mapping)
@@ -441,6 +445,8 @@ def _names(keys: list[Any]) -> str:
 
 def _check_keys(into: Any, restored: Any, key: str) -> None:
     """Raise :class:`StateMismatchError` where ``into`` wants what ``restored`` lacks."""
+    if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
+        return
     if isinstance(into, torch.nn.Module) and isinstance(restored, Mapping):
         want = list(into.state_dict().keys())
         want_set = set(want)  # once, not per key
@@ -603,6 +609,8 @@ def _prefix_map(have: list[Any], want: list[Any]) -> dict[Any, Any] | None:
 
 
 def _align(node: JSON, into: Any, path: str, renames: dict[str, str] | None) -> JSON:
+    if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
+        return node
     module = isinstance(into, torch.nn.Module)
     if module or (isinstance(into, MutableMapping) and not _stateful(into)):
         found = _items(node)

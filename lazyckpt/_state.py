@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 A snapshot is cut into shards (see ``_layout``). Each shard moves through
 
-    CAPTURED ──► COPIED ──► ON_HOST ──► ON_LOCAL ──► ON_PFS
-        └──────────┴──────────┴───────────┴───────────┴──► FAILED
+    CAPTURED ──► COPIED ──► ON_HOST ──► ON_LOCAL ──► ON_PEER ──► ON_PFS
+        └──────────┴──────────┴───────────┴───────────┴──────────┴──► FAILED
 
 CAPTURED
     ``snapshot()`` recorded the tensor references and their version counters; no byte has
@@ -21,8 +21,9 @@ ON_HOST
     The bytes are in host memory (the arena) and their crc32c is known. The host tier may
     keep the shard now. The scheduler moves it on with PERSISTED once the next tier of the
     chain reports it durable.
-ON_LOCAL / ON_PFS
-    Durable on a tier of that level (fsync'd, or acknowledged by the object store).
+ON_LOCAL / ON_PEER / ON_PFS
+    Durable on a tier of that level (fsync'd; acknowledged by the peer ranks holding the
+    replicas; acknowledged by the object store).
 FAILED
     Any non-terminal state can fail (FAIL). A failed shard never becomes part of a committed
     snapshot.
@@ -61,7 +62,8 @@ class TierLevel(enum.IntEnum):
 
     HOST = 1
     LOCAL = 2
-    PFS = 3
+    PEER = 3  # replicas on other nodes' ranks (tiers.PeerTier)
+    PFS = 4
 
 
 class ShardState(enum.Enum):
@@ -71,6 +73,7 @@ class ShardState(enum.Enum):
     COPIED = "copied"
     ON_HOST = "on_host"
     ON_LOCAL = "on_local"
+    ON_PEER = "on_peer"
     ON_PFS = "on_pfs"
     FAILED = "failed"
 
@@ -88,6 +91,7 @@ _STATE_OF_LEVEL: Mapping[TierLevel, ShardState] = MappingProxyType(
     {
         TierLevel.HOST: ShardState.ON_HOST,
         TierLevel.LOCAL: ShardState.ON_LOCAL,
+        TierLevel.PEER: ShardState.ON_PEER,
         TierLevel.PFS: ShardState.ON_PFS,
     }
 )
@@ -104,10 +108,6 @@ class StateTable:
     levels: tuple[TierLevel, ...]
     transitions: Mapping[tuple[ShardState, Event], ShardState]
     terminal: ShardState
-
-    def state_of_level(self, level: TierLevel) -> ShardState:
-        """The state a shard is in once durable on a tier of ``level``."""
-        return _STATE_OF_LEVEL[level]
 
 
 def build_table(levels: Sequence[TierLevel]) -> StateTable:
@@ -126,7 +126,7 @@ def build_table(levels: Sequence[TierLevel]) -> StateTable:
     if any(b <= a for a, b in itertools.pairwise(chain)):
         raise ConfigurationError(
             "tier levels must strictly increase along the chain (host, then local, then "
-            f"pfs), one tier per level; got {[lv.name for lv in chain]}"
+            f"peer, then pfs), one tier per level; got {[lv.name for lv in chain]}"
         )
     transitions: dict[tuple[ShardState, Event], ShardState] = {
         (ShardState.CAPTURED, Event.CAPTURE_DONE): ShardState.COPIED,

@@ -194,7 +194,7 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 class KeyCache:
-    """What walking a state's string keys produces, kept from one walk to the next.
+    """What walking a state's keys produces, kept from one walk to the next.
 
     A model's state has the same keys every step. With a cache held across walks (the
     Checkpointer keeps one), the per-key checks, escaping and formatting of a child path
@@ -206,38 +206,44 @@ class KeyCache:
     Args:
         limit: entries kept per table before it is cleared and refilled. The default has
             room for the keys of a state of some 250,000 tensors; a state with more keys
-            than the limit pays the full per-key cost on every walk (see
-            ``docs/benchmarks.md``).
+            than the limit pays the full per-key cost on every walk (``docs/design.md``,
+            "Figures behind choices in the code").
     """
 
     def __init__(self, limit: int = 1 << 18) -> None:
         self.limit = limit
-        self._child: dict[tuple[str, str], str] = {}
-        self._pairs: dict[tuple[str, int], list[Any]] = {}
+        self._child: dict[tuple[str, str | int], str] = {}
+        # per (parent path, key) of a tensor: [its path, its index in the last walk, the
+        # tree's item for that index]; one lookup in a table of every tensor of the state
+        # gives both (at 100,000 tensors each lookup is a cache miss)
+        self.items: dict[tuple[str, str | int], list[Any]] = {}
 
-    def child_path(self, parent: str, k: str) -> str:
-        """The path of string key ``k`` under ``parent``, the key checked."""
+    def child_path(self, parent: str, k: str | int) -> str:
+        """The path of key ``k`` (a str, checked, or an int) under ``parent``."""
         found = self._child.get((parent, k))
         if found is not None:
             return found
-        _check_key(k, parent)
-        child = f"{parent}/{_escape(k)}" if parent else _escape(k)
+        if type(k) is str:
+            _check_key(k, parent)
+            name = _escape(k)
+        else:  # an int (never a bool: the callers test the type): digits need no escaping
+            name = str(k)
+        child = f"{parent}/{name}" if parent else name
         if len(self._child) >= self.limit:
             self._child.clear()
         self._child[(parent, k)] = child
         return child
 
-    def tensor_pair(self, k: str, index: int) -> list[Any]:
-        """The tree item ``[k, {"$tensor": index}]``, shared between walks."""
-        found = self._pairs.get((k, index))
-        if found is None:
-            if len(self._pairs) >= self.limit:
-                self._pairs.clear()
-            found = self._pairs[(k, index)] = [k, {"$tensor": index}]
-        return found
+    def tensor_entry(self, parent: str, k: str | int) -> list[Any]:
+        """A new ``items`` entry for the tensor under key ``k`` of ``parent``."""
+        if len(self.items) >= self.limit:
+            self.items.clear()
+        entry = self.items[(parent, k)] = [self.child_path(parent, k), -1, None]
+        return entry
 
 
 _Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
 
 
 class _Walker:
@@ -251,8 +257,11 @@ class _Walker:
         self._replicated = 0  # depth of Replicated markers around the value being walked
 
     def encode(self, obj: Any, key: str) -> JSON:
-        if obj is None or type(obj) in (bool, int, str):
+        kind = type(obj)
+        if obj is None or kind in (bool, int, str):
             return obj
+        if kind is dict:  # before the other tests: the nesting of a state is mostly dicts
+            return self._container(obj, key)
         if type(obj) is float:
             if math.isfinite(obj):
                 return obj
@@ -269,20 +278,10 @@ class _Walker:
             return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
             return {"$np": [obj.dtype.str, self.encode(obj.item(), key)]}
-        if type(obj) in (dict, list, tuple) or (
+        if type(obj) in (list, tuple) or (
             isinstance(obj, Mapping) and not isinstance(obj, Stateful)
         ):
-            if id(obj) in self._active:
-                raise UnsupportedStateError(f"the state contains a cycle at {key!r}")
-            self._active.add(id(obj))
-            try:
-                return self._encode_container(obj, key)
-            except RuntimeError as exc:  # e.g. "dictionary changed size during iteration"
-                raise UnsupportedStateError(
-                    f"the state at {key!r} changed while snapshot() was reading it: {exc}"
-                ) from exc
-            finally:
-                self._active.discard(id(obj))
+            return self._container(obj, key)
         if isinstance(obj, Stateful):
             marker = isinstance(obj, ReplicatedMarker)
             self._replicated += marker
@@ -309,6 +308,19 @@ class _Walker:
             "to the Checkpointer on both save and restore if you trust every reader of this "
             "checkpoint."
         )
+
+    def _container(self, obj: Any, key: str) -> JSON:
+        if id(obj) in self._active:
+            raise UnsupportedStateError(f"the state contains a cycle at {key!r}")
+        self._active.add(id(obj))
+        try:
+            return self._encode_container(obj, key)
+        except RuntimeError as exc:  # e.g. "dictionary changed size during iteration"
+            raise UnsupportedStateError(
+                f"the state at {key!r} changed while snapshot() was reading it: {exc}"
+            ) from exc
+        finally:
+            self._active.discard(id(obj))
 
     def _encode_object(self, obj: Any, key: str) -> JSON:
         """The trainer-state objects that have a tag of their own; None for any other."""
@@ -366,12 +378,20 @@ class _Walker:
         if isinstance(obj, tuple):
             return {"$tuple": [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]}
         items = []
-        encode = self.encode
-        child_path, tensor_pair = self.keys.child_path, self.keys.tensor_pair
+        encode, add_tensor = self.encode, self._add_tensor
+        child_path, table = self.keys.child_path, self.keys.items
         for k, v in obj.items():
-            if type(k) is str:  # the usual case: a cached path, the key encodes as itself
+            kind = type(k)
+            if kind is str or kind is int:  # the usual cases: the key encodes as itself
                 if isinstance(v, torch.Tensor):
-                    items.append(tensor_pair(k, self._add_tensor(v, child_path(key, k))))
+                    # one lookup for the path and the tree's item (see KeyCache.items)
+                    entry = table.get((key, k))
+                    if entry is None:
+                        entry = self.keys.tensor_entry(key, k)
+                    index = add_tensor(v, entry[0])
+                    if entry[1] != index:  # a new list: earlier trees keep theirs as they were
+                        entry[1], entry[2] = index, [k, {"$tensor": index}]
+                    items.append(entry[2])
                 else:
                     items.append([k, encode(v, child_path(key, k))])
                 continue
@@ -393,32 +413,30 @@ class _Walker:
             if found is not None:
                 dtensor = t
                 t, dist = found
-        _check_tensor(key, t)
+        # the usual case in one test (a quantized tensor's dtype is not in _DTYPE_NAMES)
+        if t.layout is not _STRIDED or t.dtype not in _DTYPE_NAMES or t.is_meta:
+            _check_tensor(key, t)
         if dist is None and self._replicated:
             dist = replicated_info(t)
         # aliases share a data pointer: the full identity is compared only on a shared one
         ptr = t.data_ptr()
+        index = len(self.tensors)
         first: int | None = None
-        sharing = self._by_ptr.get(ptr)
-        if sharing is not None:
+        sharing = self._by_ptr.setdefault(ptr, index)  # the usual case: one lookup, no list
+        if sharing is not index:
             ident = _identity(t)
             candidates = (sharing,) if isinstance(sharing, int) else sharing
             first = next((j for j in candidates if _identity(self.tensors[j].tensor) == ident), None)
+            if first is None:
+                if isinstance(sharing, int):
+                    self._by_ptr[ptr] = [sharing, index]
+                else:
+                    sharing.append(index)
         try:
             version: int | None = t._version
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
             version = None
-        index = len(self.tensors)
-        self.tensors.append(
-            TensorRef(key, t, version, first, dist, dtensor)
-        )
-        if first is None:
-            if sharing is None:
-                self._by_ptr[ptr] = index  # the usual case: no list per tensor
-            elif isinstance(sharing, int):
-                self._by_ptr[ptr] = [sharing, index]
-            else:
-                sharing.append(index)
+        self.tensors.append(TensorRef(key, t, version, first, dist, dtensor))
         return index
 
 
@@ -516,8 +534,13 @@ class _Decoder:
         self.plain = plain
 
     def decode(self, node: JSON) -> Any:
-        if node is None or isinstance(node, bool | int | str | float):
+        kind = type(node)
+        if kind is str or kind is int or node is None or isinstance(node, bool | int | str | float):
             return node
+        if kind is dict and len(node) == 1:  # the usual node first: a tensor reference
+            index = node.get("$tensor", node)
+            if type(index) is int and 0 <= index < len(self.tensors):
+                return self.tensors[index]
         if isinstance(node, list):
             return [self.decode(v) for v in node]
         if not isinstance(node, dict) or len(node) != 1:

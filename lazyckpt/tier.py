@@ -16,6 +16,9 @@ the optional capability protocols, checked with ``isinstance``:
   from an earlier step's stored data; retention keeps what committed steps refer to).
 - :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
   copying it out (restores into device tensors straight from pinned memory).
+- :class:`SupportsRendezvous`: the tier meets the same tier on the other ranks once, after
+  ``open()``, through an ``all_gather`` over lazyckpt's own process group (a tier keeping
+  replicas on peers: :func:`node_identity`, :func:`place_replicas`).
 
 Which rank a tier instance serves is handed in with :meth:`Tier.bind` before ``open()``.
 Backend errors are mapped once, at the tier's boundary, by :func:`backend_errors` (which
@@ -42,6 +45,7 @@ from ._errors import (
     TierFullError,
 )
 from ._manifest import FORMAT_VERSION, Manifest, Segment, ShardMeta, TensorMeta
+from ._replica import NODE_ENV, Exchange, SupportsRendezvous, node_identity, place_replicas
 from ._state import TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,
@@ -61,9 +65,11 @@ from ._tier import (
 __all__ = [
     "ENTRY_POINT_GROUP",
     "FORMAT_VERSION",
+    "NODE_ENV",
     "Block",
     "ConfigurationError",
     "CorruptionError",
+    "Exchange",
     "ForeignLocationError",
     "HostArena",
     "LazyCkptError",
@@ -77,6 +83,7 @@ __all__ = [
     "SupportsGlobalCommit",
     "SupportsRankManifests",
     "SupportsReferences",
+    "SupportsRendezvous",
     "SupportsStaging",
     "TensorMeta",
     "Tier",
@@ -88,5 +95,7 @@ __all__ = [
     "available_tiers",
     "backend_errors",
     "load_tier",
+    "node_identity",
+    "place_replicas",
     "translate_os_error",
 ]

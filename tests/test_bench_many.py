@@ -36,9 +36,9 @@ def _positive(x: Any) -> bool:
 
 
 def test_many_tensors_quick(tmp_path: Path) -> None:
-    doc = _run("many_tensors.py", "--counts", "200,400", "--reps", "2", out=tmp_path)
+    doc = _run("many_tensors.py", "--counts", "300,600", "--reps", "2", out=tmp_path)
     rows = doc["results"]["rows"]
-    assert [r["tensors"] for r in rows] == [200, 400]
+    assert [r["tensors"] for r in rows] == [300, 600]
     for r in rows:
         for key in ("snapshot_cold_us_per_tensor", "manifest_bytes", "restore_us_per_tensor",
                     "restore_into_us_per_tensor", "manifest_read_us_per_tensor",
@@ -61,3 +61,18 @@ def test_restore_compare_quick(tmp_path: Path) -> None:
     assert all(_positive(v) for v in r["gib_per_s"].values())
     assert all(r["roundtrip_ok"].values()) and len(r["roundtrip_ok"]) == 5
     assert _positive(r["restore_over_best_peer"]) and _positive(r["restore_over_plain_read"])
+
+
+def test_stall_sweep_quick(tmp_path: Path) -> None:
+    doc = _run("stall_sweep.py", "--quick", out=tmp_path)
+    rows = doc["results"]["rows"]
+    assert [r["every"] for r in rows] == [1, 2, 4, 8, 16]
+    for r in rows:
+        for key in ("lazyckpt_stall_ms", "dcp_async_stall_ms", "lazyckpt_first_stall_ms",
+                    "lazyckpt_later_stall_ms"):
+            assert _positive(r[key]), (key, r[key])
+        assert set(r["lazyckpt_split_ms"]) == set(r["lazyckpt_first_split_ms"]) == {
+            "model_state_dict", "optim_state_dict", "walk", "plan", "other", "guard"
+        }
+    (csv_path,) = tmp_path.glob("*.csv")
+    assert len(csv_path.read_text().splitlines()) == 1 + len(rows)

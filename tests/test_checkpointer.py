@@ -25,7 +25,7 @@ from lazyckpt import (
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gating import hold_captures
+from helpers.gating import hold_captures
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
 

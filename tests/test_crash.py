@@ -25,10 +25,10 @@ import lazyckpt.testing
 from lazyckpt.hooks import POINTS
 
 sys.path.insert(0, str(Path(__file__).parent))
-from crash_child import durable_tier, incremental_state_of, state_of
+from helpers.crash_child import durable_tier, incremental_state_of, state_of
 
 KILLS = int(os.environ.get("LAZYCKPT_SOAK_KILLS", "20"))
-CHILD = Path(__file__).parent / "crash_child.py"
+CHILD = Path(__file__).parent / "helpers" / "crash_child.py"
 TIERS = ["file"] + (["zarr"] if "zarr" in lazyckpt.available_tiers() else [])
 
 
@@ -277,8 +277,8 @@ async def test_two_writers_and_a_foreign_one_harm_nothing(kind: str, tmp_path: P
 
 # a few kills per integration in `make test`, many more in `make soak`
 INTEGRATION_KILLS = max(3, KILLS // 6)
-DCP_CHILD = Path(__file__).parent / "crash_child_dcp.py"
-DS_CHILD = Path(__file__).parent / "crash_child_deepspeed.py"
+DCP_CHILD = Path(__file__).parent / "helpers" / "crash_child_dcp.py"
+DS_CHILD = Path(__file__).parent / "helpers" / "crash_child_deepspeed.py"
 
 
 def run_and_read(
@@ -474,7 +474,7 @@ def test_kill_while_latest_is_written_under_deepspeed(tmp_path: Path) -> None:
     assert check_deepspeed(tmp_path) == 2
 
 
-LIGHTNING_CHILD = Path(__file__).parent / "crash_child_lightning.py"
+LIGHTNING_CHILD = Path(__file__).parent / "helpers" / "crash_child_lightning.py"
 
 
 @pytest.mark.slow
@@ -483,7 +483,7 @@ def test_kill_under_lightning_every_pointer_file_loads(tmp_path: Path) -> None:
     ``last.ckpt``, older files removed), killed anywhere: every pointer file left loads bit for bit, and
     ``last.ckpt`` never moves back."""
     pytest.importorskip("lightning_fabric", reason="Lightning is not installed")
-    from crash_child_lightning import checkpoint_of
+    from helpers.crash_child_lightning import checkpoint_of
 
     from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
     from tiers import FileTier
@@ -523,7 +523,7 @@ def test_lightning_last_ckpt_survives_a_kill_before_its_next_step_commits(tmp_pa
     which the file on disk names, before step 1 is committed and the file rewritten; the
     writer is killed just before step 1's commit."""
     pytest.importorskip("lightning_fabric", reason="Lightning is not installed")
-    from crash_child_lightning import checkpoint_of
+    from helpers.crash_child_lightning import checkpoint_of
 
     from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
     from tiers import FileTier

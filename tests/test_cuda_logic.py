@@ -54,7 +54,7 @@ from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gating import HeldChecksums
+from helpers.gating import HeldChecksums
 
 # -- the fake device ------------------------------------------------------------------------
 

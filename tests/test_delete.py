@@ -15,8 +15,8 @@ from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gating import hold_captures
-from ranks import launch_ranks, rank_results
+from helpers.gating import hold_captures
+from helpers.ranks import launch_ranks, rank_results
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
 
@@ -123,7 +123,7 @@ def test_sync_delete(tmp_path: Path) -> None:
 def test_delete_on_two_ranks(tmp_path: Path) -> None:
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    worker = Path(__file__).parent / "dist_worker.py"
+    worker = Path(__file__).parent / "helpers" / "dist_worker.py"
     assert launch_ranks(worker, ["delete", str(root), str(out)], 2) == [0, 0]
     for r in rank_results(out).values():
         assert r["errors"] == []

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).parent / "dist_worker.py"
+WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
 sys.path.insert(0, str(Path(__file__).parent))
-from ranks import launch_ranks, rank_results  # noqa: E402
+from helpers.ranks import launch_ranks, rank_results  # noqa: E402
 
 
 def launch(scenario: str, root: Path, out: Path, world: int) -> list[int]:

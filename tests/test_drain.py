@@ -20,10 +20,10 @@ from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from drain_child import state_of
-from ranks import free_port
+from helpers.drain_child import state_of
+from helpers.ranks import free_port
 
-CHILD = Path(__file__).parent / "drain_child.py"
+CHILD = Path(__file__).parent / "helpers" / "drain_child.py"
 
 
 def same(a: Any, b: Any) -> bool:

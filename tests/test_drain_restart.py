@@ -18,9 +18,9 @@ from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier, ZarrTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from drain_child import same, state_of
+from helpers.drain_child import same, state_of
 
-CHILD = Path(__file__).parent / "drain_child.py"
+CHILD = Path(__file__).parent / "helpers" / "drain_child.py"
 
 
 def crash_after_commit(root: Path) -> None:

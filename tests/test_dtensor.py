@@ -18,9 +18,9 @@ from lazyckpt._dtensor import writer_of
 from tiers import FileTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ranks import launch_ranks, rank_results
+from helpers.ranks import launch_ranks, rank_results
 
-WORKER = Path(__file__).parent / "dtensor_worker.py"
+WORKER = Path(__file__).parent / "helpers" / "dtensor_worker.py"
 REPLICATED_BYTES = 2 * 64 * 128 * 4  # tensors "c" and "d" of the worker's state
 
 

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt import ImmutabilityViolationError, SnapshotFailedError
-from lazyckpt._manifest import Manifest
+from lazyckpt import ImmutabilityViolationError, Manifest, SnapshotFailedError
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bn_net import Trainer
-from gating import hold_captures
+from helpers.bn_net import Trainer
+from helpers.gating import hold_captures
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096, "retries": 0}
 STEPS = 10

@@ -25,7 +25,7 @@ from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gating import hold_captures
+from helpers.gating import hold_captures
 
 SMALL: dict[str, Any] = {"shard_size": 1 << 16, "pack_bytes": 4096, "retry_backoff": 0.001}
 

@@ -51,7 +51,7 @@ async def test_auto_falls_back_where_o_direct_is_refused(
     def refuse(fd: int) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(file_module, "_probe_direct", refuse)
+    monkeypatch.setattr(file_module, "probe_direct", refuse)
     await roundtrip(FileTier(tmp_path / "auto"))  # buffered, silently
     with pytest.raises(lazyckpt.SnapshotFailedError) as info:
         await roundtrip(FileTier(tmp_path / "forced", direct=True))

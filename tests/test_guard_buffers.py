@@ -18,8 +18,8 @@ from lazyckpt._tree import walk_state
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bn_net import Trainer
-from gating import hold_captures
+from helpers.bn_net import Trainer
+from helpers.gating import hold_captures
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
 STEPS = 20

@@ -20,8 +20,8 @@ from lazyckpt import ConfigurationError
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bn_net import BNNet, Trainer
-from gating import hold_captures
+from helpers.bn_net import BNNet, Trainer
+from helpers.gating import hold_captures
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
 

@@ -15,7 +15,7 @@ from lazyckpt import Manifest, SnapshotFailedError, TierFullError
 from tiers import HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gating import hold_captures
+from helpers.gating import hold_captures
 
 SMALL: dict[str, Any] = {"shard_size": 1 << 16, "pack_bytes": 4096}
 SNAPSHOT = 256 << 10  # what state() holds: four shards of SMALL

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,6 @@ import lazyckpt
 from lazyckpt import ConfigurationError, CorruptionError, Manifest
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, HostMemoryTier, ZarrTier
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
 

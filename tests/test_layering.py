@@ -49,8 +49,8 @@ def test_public_names_are_exported() -> None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc"),
     ("_dist", "_tree", "_manifest", "_options", "_state", "_arena", "_metrics", "_distributed"),
-    ("_tier", "tier"),
-    ("_fetch", "_tiercall", "_optimizers", "_flight", "_capture", "_cuda", "_restore", "_dtensor",
+    ("_tier", "tier", "_replica"),
+    ("_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_capture", "_cuda", "_restore", "_dtensor",
      "_engine", "_preemption"),
     ("", "_handle", "_core", "_checkpointer", "timeline"),
     (

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from lazyckpt import ConfigurationError, SyncCheckpointer
-from lazyckpt._metrics import (
+from lazyckpt import (
     LOG_FORMAT,
+    ConfigurationError,
     StepTierAdapter,
     StepTierFilter,
+    SyncCheckpointer,
     export_prometheus,
     install_log_context,
 )

@@ -18,7 +18,7 @@ from lazyckpt._capture import VerifyingCapture
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bn_net import Trainer
+from helpers.bn_net import Trainer
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
 

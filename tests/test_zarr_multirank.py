@@ -22,7 +22,7 @@ import pytest
 import torch
 import zarr
 from conftest_s3 import S3Location, s3, s3_server
-from ranks import launch_ranks, rank_results
+from helpers.ranks import launch_ranks, rank_results
 
 import lazyckpt
 from lazyckpt import ConfigurationError, CorruptionError, Manifest, SyncCheckpointer, hooks
@@ -31,7 +31,7 @@ from tiers import ZarrTier
 
 __all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 
-WORKER = Path(__file__).parent / "zarr_dist_worker.py"
+WORKER = Path(__file__).parent / "helpers" / "zarr_dist_worker.py"
 STEP = "step-{:012d}"
 
 

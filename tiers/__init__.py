@@ -6,6 +6,7 @@ tier does; ``lazyckpt`` itself never imports this package.
 
 from ._file import FileTier
 from ._host import HostMemoryTier
+from ._peer import PeerTier
 from ._zarr import ZarrTier
 
-__all__ = ["FileTier", "HostMemoryTier", "ZarrTier"]
+__all__ = ["FileTier", "HostMemoryTier", "PeerTier", "ZarrTier"]

@@ -42,7 +42,6 @@ import contextlib
 import errno
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -68,6 +67,7 @@ from lazyckpt.tier import (
     backend_errors,
 )
 
+from ._file_io import ALIGN, close_after, open_for_reading, probe_direct, pwrite, read_piece
 from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
 
 __all__ = ["FileTier"]
@@ -82,7 +82,6 @@ MANIFEST = "manifest.json"
 MARKER = "lazyckpt-file.json"  # what kind of location this is, and its format
 MARKER_FORMAT = "lazyckpt-file"
 LAYOUT_VERSION = 1
-ALIGN = 4096
 # the only names a file tier writes inside a step directory (temporaries: see _publish)
 _STEP_FILE = re.compile(r"^(manifest\.json|retired|rank-\d{5}\.(data|json))$")
 RETIRED = "retired"  # in a step directory deleted while committed steps refer to its data
@@ -369,7 +368,7 @@ class FileTier(Tier):
         if direct:
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                _probe_direct(fd)
+                probe_direct(fd)
             except OSError as exc:
                 if fd >= 0:
                     os.close(fd)
@@ -400,7 +399,7 @@ class FileTier(Tier):
             *(
                 self._run(
                     f"write shard {shard.index} to {path}",
-                    self._pwrite,
+                    pwrite,
                     fd,
                     direct,
                     data[o : o + self.piece_bytes],
@@ -411,36 +410,6 @@ class FileTier(Tier):
         )
         hooks.point("file.write.before_sync")
         await self._run(f"sync shard {shard.index} of {path}", os.fdatasync, fd)
-
-    def _pwrite(self, fd: int, direct: bool, data: memoryview, offset: int) -> None:
-        if direct:
-            self._pwrite_direct(fd, data, offset)
-            return
-        while data:
-            n = os.pwrite(fd, data, offset)
-            data, offset = data[n:], offset + n
-
-    def _pwrite_direct(self, fd: int, data: memoryview, offset: int) -> None:
-        # O_DIRECT wants the address, length and offset aligned. Arena blocks are; whatever
-        # is not (a tail, a foreign buffer) goes through an aligned bounce buffer.
-        head = len(data) // ALIGN * ALIGN
-        aligned = _address(data) % ALIGN == 0
-        if head and aligned:
-            done = 0
-            while done < head:
-                done += os.pwrite(fd, data[done:head], offset + done)
-            data, offset = data[head:], offset + head
-        if data:
-            size = (len(data) + ALIGN - 1) // ALIGN * ALIGN
-            with mmap.mmap(-1, size) as bounce:
-                bounce[: len(data)] = data
-                view = memoryview(bounce)
-                try:
-                    done = 0
-                    while done < size:
-                        done += os.pwrite(fd, view[done:], offset + done)
-                finally:
-                    view.release()
 
     async def commit(self, manifest: Manifest) -> None:
         self._writable("commit a snapshot")
@@ -589,12 +558,12 @@ class FileTier(Tier):
         pool = self._reader()
         loop = asyncio.get_running_loop()
         with backend_errors(self.name, what):
-            fd = await loop.run_in_executor(pool, _open_for_reading, path)
+            fd = await loop.run_in_executor(pool, open_for_reading, path)
             starts = range(0, shard.length, self.piece_bytes)
             futures = [
-                pool.submit(_read_piece, fd, path, shard, out, s, self.piece_bytes) for s in starts
+                pool.submit(read_piece, fd, path, shard, out, s, self.piece_bytes) for s in starts
             ]
-            _close_after(fd, futures)  # not before every piece is done, cancelled or not
+            close_after(fd, futures)  # not before every piece is done, cancelled or not
             results = await asyncio.gather(
                 *(asyncio.wrap_future(f) for f in futures), return_exceptions=True
             )
@@ -739,46 +708,6 @@ def _step_of(entry: Path) -> int:
     return int(m.group(1))
 
 
-def _open_for_reading(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CorruptionError(f"{path} is missing") from None
-
-
-def _close_after(fd: int, futures: list[concurrent.futures.Future[None]]) -> None:
-    """Close ``fd`` once every future is done: a piece still reading when the restore is
-    cancelled would otherwise read from a closed (or, worse, reused) descriptor."""
-    if not futures:
-        os.close(fd)
-        return
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: object) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            os.close(fd)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-
-
-def _read_piece(
-    fd: int, path: Path, shard: ShardMeta, out: memoryview, start: int, piece: int
-) -> None:
-    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) into ``out``."""
-    stop = min(start + piece, shard.length)
-    done = start
-    while done < stop:
-        n = os.preadv(fd, [out[done:stop]], shard.offset + done)
-        if n == 0:
-            raise CorruptionError(f"{path} is truncated: shard {shard.index} ends past the file")
-        done += n
-
-
 def _marker_document() -> bytes:
     return json.dumps({"format": MARKER_FORMAT, "version": LAYOUT_VERSION}).encode()
 
@@ -803,22 +732,3 @@ def _check_marker(path: Path) -> None:
             f"{path.parent} was written by a newer lazyckpt (file layout {version!r}, this "
             f"version reads up to {LAYOUT_VERSION}); upgrade lazyckpt"
         )
-
-
-def _probe_direct(fd: int) -> None:
-    """Some file systems accept O_DIRECT at open and refuse it at the first write: find out
-    now, with one aligned block at the start of the file (a shard overwrites it later)."""
-    with mmap.mmap(-1, ALIGN) as block:
-        view = memoryview(block)
-        try:
-            os.pwrite(fd, view, 0)
-        finally:
-            view.release()
-
-
-def _address(view: memoryview) -> int:
-    import ctypes
-
-    if view.readonly:
-        return -1
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))

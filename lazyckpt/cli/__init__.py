@@ -40,7 +40,7 @@ from __future__ import annotations
 from ._console import Console
 from ._location import Location, open_location, resolve_location
 from ._main import build_parser, main
-from ._read import ShardRead, ShardReader, segment_span, shard_contents
+from ._read import ShardRead, ShardReader, shard_contents
 from ._status import (
     EXIT_BROKEN_PIPE,
     EXIT_DAMAGE,
@@ -69,6 +69,5 @@ __all__ = [
     "main",
     "open_location",
     "resolve_location",
-    "segment_span",
     "shard_contents",
 ]

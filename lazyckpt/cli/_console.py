@@ -24,12 +24,18 @@ class Console:
         """Write a message (a summary, a problem) to stderr."""
         print(text, file=sys.stderr)
 
-    def progress(
-        self, total: int, label: str, *, unit: str | None = None, enabled: bool = True
-    ) -> Progress:
-        """A progress display on stderr (none with ``--quiet``): bytes, or ``unit``."""
-        shown = enabled and not self.quiet
-        return Progress(total, label, unit=unit, stream=sys.stderr, enabled=shown)
+    def progress(self, total: int, label: str, *, unit: str | None = None) -> Progress:
+        """A progress display on stderr (none with ``--quiet``): bytes moved, with a last
+        line always; or things counted in ``unit``, with a last line only when the
+        operation took long enough to show progress at all."""
+        return Progress(
+            total,
+            label,
+            unit=unit,
+            summary=unit is None,
+            stream=sys.stderr,
+            enabled=not self.quiet,
+        )
 
 
 def local_time(created: float) -> str:

@@ -28,7 +28,7 @@ from ._location import (
     opened,
     pick_steps,
 )
-from ._read import ShardReader, damage_keys, segment_span
+from ._read import ShardReader, damage_keys
 from ._status import (
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -153,7 +153,7 @@ async def _stream_into(
                     placement = placements.get(seg.tensor)
                     if placement is None:
                         continue
-                    start, nbytes = segment_span(manifest, seg)
+                    start, nbytes = manifest.segment_span(seg)
                     piece = read.data[seg.offset : seg.offset + nbytes]
                     writes.extend((offset + start, piece) for offset in placement.offsets)
                     crc_pieces.append((seg.tensor, piece))

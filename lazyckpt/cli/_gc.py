@@ -23,7 +23,7 @@ async def gc_command(args: argparse.Namespace, ui: Console) -> int:
             for step in doomed:
                 ui.out(f"would delete step {step}")
         else:
-            with ui.progress(len(doomed), "gc", unit="snapshots", enabled=bool(doomed)) as bar:
+            with ui.progress(len(doomed), "gc", unit="snapshots") as bar:
                 for step in doomed:
                     await delete_step(loc.tier, step)
                     ui.out(f"deleted step {step}")

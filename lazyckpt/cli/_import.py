@@ -27,7 +27,7 @@ from .._tree import JSON, TensorRef, dtype_from_name, walk_state
 from ._console import Console
 from ._formats import FROM_SAFETENSORS, sniff_format
 from ._location import opened
-from ._read import has_tag, segment_span
+from ._read import has_tag
 from ._status import (
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -50,13 +50,8 @@ class _Source(Protocol):
 
 def _zero_gaps(manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
     # Alignment gaps in a pack are part of the stored bytes; zero them so they are defined.
-    cursor = 0
-    for seg in sorted(shard.segments, key=lambda s: s.offset):
-        if seg.offset > cursor:
-            out[cursor : seg.offset] = bytes(seg.offset - cursor)
-        cursor = seg.offset + manifest.segment_nbytes(seg)
-    if cursor < shard.length:
-        out[cursor : shard.length] = bytes(shard.length - cursor)
+    for lo, hi in manifest.segment_gaps(shard):
+        out[lo:hi] = bytes(hi - lo)
 
 
 class _TorchSource:
@@ -96,15 +91,8 @@ class _TorchSource:
         _zero_gaps(manifest, shard, out)
         dest = torch.frombuffer(out, dtype=torch.uint8)
         for seg in shard.segments:
-            meta = manifest.tensors[seg.tensor]
-            src = self.refs[seg.tensor].tensor.detach()
-            if meta.mode == "rows":
-                src = src[seg.start : seg.stop]
-            elif meta.mode == "flat":
-                src = src.reshape(-1)[seg.start : seg.stop]
-            nbytes = manifest.segment_nbytes(seg)
-            piece = dest[seg.offset : seg.offset + nbytes].view(meta.torch_dtype)
-            piece.view(manifest.segment_shape(seg)).copy_(src)
+            src = manifest.tensor_part(seg, self.refs[seg.tensor].tensor.detach())
+            manifest.shard_part(seg, dest).copy_(src)
 
 
 class _SafetensorsSource:
@@ -184,7 +172,7 @@ class _SafetensorsSource:
         try:
             for seg in shard.segments:
                 begin, _ = self.spans[self.names[seg.tensor]]
-                start, nbytes = segment_span(manifest, seg)
+                start, nbytes = manifest.segment_span(seg)
                 done = 0
                 while done < nbytes:
                     view = out[seg.offset + done : seg.offset + nbytes]

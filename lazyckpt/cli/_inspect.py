@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import CorruptionError, LazyCkptError
+from .._errors import CorruptionError, LazyCkptError, first_error
 from .._manifest import Manifest
 from .._progress import Progress, format_bytes
 from .._tree import JSON, decode_tree
@@ -17,7 +17,6 @@ from ._console import Console, iso_time, local_time, table
 from ._location import opened, pick_steps
 from ._read import has_tag
 from ._status import EXIT_DAMAGE, EXIT_OK
-from ._write import first_error
 
 # manifests ``ls`` reads at once
 _MANIFEST_READS = 8
@@ -67,7 +66,7 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
             entries[step] = entry
             bar.advance(1)
 
-        with ui.progress(len(found), "ls", unit="snapshots", enabled=bool(found)) as bar:
+        with ui.progress(len(found), "ls", unit="snapshots") as bar:
             try:
                 async with asyncio.TaskGroup() as tg:
                     for step in found:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._fetch import latest_step
 from .._tier import Tier, available_tiers, load_tier
 from ._status import (
     EXIT_NOT_FOUND,
@@ -186,14 +187,18 @@ async def opened(
 
 
 async def pick_steps(location: Location, step: int | None, *, every: bool = False) -> list[int]:
-    """The committed steps a command works on: all, the one asked for, or the latest."""
+    """The committed steps a command works on: all, the one asked for, or the latest.
+
+    Raises:
+        SnapshotNotFoundError: the location has no committed snapshot (exit 3).
+        CommandError: ``step`` is not committed there (exit 3).
+    """
     steps = await location.tier.steps()
-    if not steps:
-        raise CommandError(f"{location}: no committed snapshot", EXIT_NOT_FOUND)
+    newest = latest_step(steps, str(location))
     if every:
         return steps
     if step is None:
-        return [steps[-1]]
+        return [newest]
     if step not in steps:
         near = ", ".join(map(str, steps[-5:]))
         raise CommandError(

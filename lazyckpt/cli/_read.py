@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-import crc32c
-
 from .._errors import CorruptionError
-from .._manifest import Manifest, Segment, ShardMeta
+from .._fetch import read_copy
+from .._manifest import Manifest, ShardMeta
 from .._tier import Tier
 from .._tree import JSON
 
@@ -103,30 +101,11 @@ class ShardReader:
     async def _read(self, shard: ShardMeta, buffer: bytearray) -> ShardRead:
         view = memoryview(buffer)[: shard.length]
         try:
-            await self.tier.read_shard(self.manifest, shard, view)
+            # the one read-and-check every reader of a snapshot uses
+            await read_copy(self.manifest, shard, self.tier, view)
         except CorruptionError as exc:
             return ShardRead(shard, None, str(exc))
-        crc = await asyncio.to_thread(crc32c.crc32c, view)
-        if shard.crc32c is None:
-            return ShardRead(shard, view, "the manifest records no checksum for it")
-        if crc != shard.crc32c:
-            return ShardRead(
-                shard,
-                view,
-                f"checksum mismatch (manifest {shard.crc32c:08x}, data {crc:08x})",
-            )
         return ShardRead(shard, view)
-
-
-def segment_span(manifest: Manifest, seg: Segment) -> tuple[int, int]:
-    """Where a segment's bytes sit inside its whole tensor: ``(byte offset, length)``."""
-    meta = manifest.tensors[seg.tensor]
-    nbytes = manifest.segment_nbytes(seg)
-    if meta.mode == "rows":
-        return seg.start * meta.itemsize * math.prod(meta.shape[1:]), nbytes
-    if meta.mode == "flat":
-        return seg.start * meta.itemsize, nbytes
-    return 0, nbytes
 
 
 def shard_contents(manifest: Manifest, shard: ShardMeta) -> list[str]:

@@ -1,7 +1,7 @@
 """Writing a snapshot to a tier from the command line (``import``, ``copy``).
 
 Every call on the tier (``begin``, each ``put_shard``, ``commit``, ``abort``) goes through the
-engine's own :func:`~lazyckpt._engine.call_tier`, so a command writes under the same deadline,
+engine's own :func:`~lazyckpt._tiercall.call_tier`, so a command writes under the same deadline,
 retries and error translation as a Checkpointer with default options does.
 """
 
@@ -11,15 +11,15 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import crc32c
 
-from .._engine import RetryPolicy, call_tier
-from .._errors import CorruptionError
+from .._errors import CorruptionError, first_error
 from .._manifest import Manifest, ShardMeta
 from .._options import CheckpointerOptions
 from .._tier import Tier
+from .._tiercall import RetryPolicy, call_tier
 from ._console import Console
 from ._read import ShardReader, damage_keys
 
@@ -132,11 +132,3 @@ async def put_all(
         except ExceptionGroup as group:
             raise first_error(group) from None
     return crcs
-
-
-def first_error(group: BaseExceptionGroup[Any]) -> BaseException:
-    """The first failure of a task group, so it is reported like any other error."""
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first

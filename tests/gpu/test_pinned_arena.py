@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from lazyckpt._arena import HostArena
+from lazyckpt import HostArena
 
 pytestmark = [
     pytest.mark.gpu,

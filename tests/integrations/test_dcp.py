@@ -36,8 +36,8 @@ from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from gating import hold_captures
-from ranks import launch_ranks, rank_results
+from helpers.gating import hold_captures
+from helpers.ranks import launch_ranks, rank_results
 
 WORKER = Path(__file__).parent / "dcp_worker.py"
 

@@ -264,7 +264,7 @@ def test_deepspeed_two_ranks_resume_bit_identical(tmp_path: Path) -> None:
     """ZeRO-1 on 2 gloo ranks: each rank saves its optimizer file, rank 0 the model states;
     on resume every rank reads rank 0's model states (from the shared file tier)."""
     sys.path.insert(0, str(HERE.parent))
-    from ranks import launch_ranks, rank_results
+    from helpers.ranks import launch_ranks, rank_results
 
     launch_ranks(HERE / "deepspeed_worker.py", ["ranks", str(tmp_path)], 2, timeout=170)
     results = rank_results(tmp_path)

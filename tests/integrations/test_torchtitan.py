@@ -27,7 +27,7 @@ from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from ranks import launch_ranks, rank_results
+from helpers.ranks import launch_ranks, rank_results
 
 WORKER = Path(__file__).parent / "torchtitan_worker.py"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ranks import launch_ranks
+from helpers.ranks import launch_ranks
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"

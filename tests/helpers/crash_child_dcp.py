@@ -15,12 +15,16 @@ import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
-from crash_child import SHARD, state_of
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
 import lazyckpt
 from lazyckpt.integrations.dcp import LazyStorageWriter
 from tiers import FileTier, HostMemoryTier
+
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.crash_child import SHARD, state_of
 
 _print_lock = threading.Lock()
 

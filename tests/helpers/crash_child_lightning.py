@@ -16,10 +16,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from crash_child import SHARD, state_of
-
 from lazyckpt.integrations.lightning import LazyCheckpointIO
 from tiers import FileTier, HostMemoryTier
+
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.crash_child import SHARD, state_of
 
 
 def checkpoint_of(step: int) -> dict[str, Any]:

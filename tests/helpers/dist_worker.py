@@ -12,11 +12,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ranks import commit_each
 
 import lazyckpt
 from lazyckpt import hooks
 from tiers import FileTier, HostMemoryTier
+
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.ranks import commit_each
 
 
 def state_of(rank: int, step: int) -> dict[str, Any]:

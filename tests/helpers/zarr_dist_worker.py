@@ -22,11 +22,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ranks import commit_each
 
 import lazyckpt
 from lazyckpt import hooks
 from tiers import HostMemoryTier, ZarrTier
+
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.ranks import commit_each
 
 # The deadline only bounds a hang: on a loaded machine a tier operation or a collective may
 # take seconds, and a short one fails healthy steps.

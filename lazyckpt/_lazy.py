@@ -1,0 +1,114 @@
+"""The lazy restores in progress: which guarded optimizers' state is still loading.
+
+``restore(lazy=True)`` returns once everything but the guarded optimizers' state is in
+place; that state loads in the background on the engine loop. :class:`LazyRestores` owns
+those background loads: a guarded ``optimizer.step()`` waits for its optimizer's
+(:meth:`LazyRestores.hold`), ``snapshot()`` waits for all of them
+(:meth:`LazyRestores.wait_blocking`), and the next restore and closing wait on the engine
+loop (:meth:`LazyRestores.settle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ._errors import ConfigurationError
+from ._optimizers import unwrap_optimizer
+
+__all__ = ["LazyRestores"]
+
+log = logging.getLogger("lazyckpt")
+
+
+class LazyRestores:
+    """The lazy restores of one Checkpointer (see the module docstring)."""
+
+    def __init__(self) -> None:
+        # per guarded optimizer (by id) the future of its state's restore
+        self._restoring: dict[int, concurrent.futures.Future[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # engine loop: the loads still running
+
+    @staticmethod
+    def targets(into: Any, guarded: Iterable[torch.optim.Optimizer]) -> dict[Any, torch.optim.Optimizer]:
+        """The top-level entries of ``into`` that a lazy restore defers: the optimizers (or
+        their wrappers) among ``guarded``, by key."""
+        if not isinstance(into, Mapping):
+            raise ConfigurationError(
+                "restore(lazy=True) needs into= a mapping whose entries include the guarded "
+                f"optimizers, got {type(into).__qualname__}"
+            )
+        live = {id(opt) for opt in guarded}
+        found: dict[Any, torch.optim.Optimizer] = {}
+        for key, value in into.items():
+            try:
+                opt = unwrap_optimizer(value)
+            except ConfigurationError:
+                continue
+            if id(opt) in live:
+                found[key] = opt
+        return found
+
+    def hold(self, optimizer: torch.optim.Optimizer) -> None:
+        """Block until ``optimizer``'s state is loaded (any thread but the engine's); raise
+        if loading it failed: stepping on state that was not restored would corrupt
+        training."""
+        restoring = self._restoring.get(id(optimizer))
+        if restoring is not None:
+            restoring.result()
+
+    def wait_blocking(self) -> None:
+        """Block until every lazy restore has loaded its optimizers' state (any thread but
+        the engine's); a failed one is not raised here (the guarded step raises it)."""
+        pending = [f for f in self._restoring.values() if not f.done()]
+        if pending:
+            concurrent.futures.wait(pending)
+
+    async def settle(self) -> None:
+        """Wait (engine loop) for the lazy restores still loading."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def start(
+        self,
+        step: int,
+        rest: Callable[[], Awaitable[None]],
+        optimizers: Iterable[torch.optim.Optimizer],
+        finished: Callable[[], None],
+    ) -> None:
+        """Load the deferred optimizer state in the background (engine loop) with ``rest``;
+        each optimizer's guard holds its step until it is done. ``finished`` runs once the
+        load ended, however it ended."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        optimizers = list(optimizers)
+        for opt in optimizers:
+            self._restoring[id(opt)] = done
+
+        async def run() -> None:
+            try:
+                await rest()
+            except BaseException as exc:
+                log.error(
+                    "lazyckpt: the lazy restore of step %d could not load the optimizer "
+                    "state: %s; the guarded optimizer.step() raises it",
+                    step, exc, extra={"step": step},
+                )
+                done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                done.set_result(None)
+                for opt in optimizers:  # loaded: nothing left for the guard to wait for
+                    if self._restoring.get(id(opt)) is done:
+                        del self._restoring[id(opt)]
+            finally:
+                finished()
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"lazyckpt-lazy-restore-{step}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,119 @@
+"""Positional file I/O of FileTier: pieces written with ``pwrite`` (through an aligned bounce
+buffer where ``O_DIRECT`` needs one) and read with ``preadv`` side by side."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import mmap
+import os
+import threading
+from pathlib import Path
+
+from lazyckpt.tier import CorruptionError, ShardMeta
+
+__all__ = [
+    "ALIGN",
+    "address",
+    "close_after",
+    "open_for_reading",
+    "probe_direct",
+    "pwrite",
+    "read_piece",
+]
+
+ALIGN = 4096
+
+
+def pwrite(fd: int, direct: bool, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``direct``: to a file opened ``O_DIRECT``)."""
+    if direct:
+        _pwrite_direct(fd, data, offset)
+        return
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
+    # O_DIRECT wants the address, length and offset aligned. Arena blocks are; whatever
+    # is not (a tail, a foreign buffer) goes through an aligned bounce buffer.
+    head = len(data) // ALIGN * ALIGN
+    aligned = address(data) % ALIGN == 0
+    if head and aligned:
+        done = 0
+        while done < head:
+            done += os.pwrite(fd, data[done:head], offset + done)
+        data, offset = data[head:], offset + head
+    if data:
+        size = (len(data) + ALIGN - 1) // ALIGN * ALIGN
+        with mmap.mmap(-1, size) as bounce:
+            bounce[: len(data)] = data
+            view = memoryview(bounce)
+            try:
+                done = 0
+                while done < size:
+                    done += os.pwrite(fd, view[done:], offset + done)
+            finally:
+                view.release()
+
+
+def open_for_reading(path: Path) -> int:
+    """A descriptor of ``path`` for reading; a missing file is :class:`CorruptionError`
+    (a committed step's data file is missing)."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CorruptionError(f"{path} is missing") from None
+
+
+def close_after(fd: int, futures: list[concurrent.futures.Future[None]]) -> None:
+    """Close ``fd`` once every future is done: a piece still reading when the restore is
+    cancelled would otherwise read from a closed (or, worse, reused) descriptor."""
+    if not futures:
+        os.close(fd)
+        return
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: object) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            os.close(fd)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+
+
+def read_piece(
+    fd: int, path: Path, shard: ShardMeta, out: memoryview, start: int, piece: int
+) -> None:
+    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) into ``out``."""
+    stop = min(start + piece, shard.length)
+    done = start
+    while done < stop:
+        n = os.preadv(fd, [out[done:stop]], shard.offset + done)
+        if n == 0:
+            raise CorruptionError(f"{path} is truncated: shard {shard.index} ends past the file")
+        done += n
+
+
+def probe_direct(fd: int) -> None:
+    """Some file systems accept O_DIRECT at open and refuse it at the first write: find out
+    now, with one aligned block at the start of the file (a shard overwrites it later)."""
+    with mmap.mmap(-1, ALIGN) as block:
+        view = memoryview(block)
+        try:
+            os.pwrite(fd, view, 0)
+        finally:
+            view.release()
+
+
+def address(view: memoryview) -> int:
+    """Where ``view``'s bytes start in memory; -1 for a read-only view (never aligned for
+    ``O_DIRECT``: it goes through the bounce buffer)."""
+    if view.readonly:
+        return -1
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
