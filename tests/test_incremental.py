@@ -261,6 +261,9 @@ async def test_host_tier_in_front(tmp_path: Path) -> None:
         for step in range(4):
             assert equal(await ckpt.restore(step=step), expected[step])
         assert ckpt.metrics()["tiers"]["file"]["reused_bytes"] > 0
+        # the host tier keeps only steps it holds whole: the first, captured in full; the
+        # others skipped the frozen base's capture and restore from the file tier
+        assert await chain[0].steps() == [0]
 
 
 # -- retention, deletion, restarts ------------------------------------------------------------
