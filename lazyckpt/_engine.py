@@ -20,6 +20,12 @@ its arena space whole and counts as committed only if the host tier keeps it.
 Every task belongs to the engine's task group; failures are recorded on the flight, raised
 from its handle, logged once, and queued for the failure policy (``on_failure="raise"``:
 the next ``snapshot()``, ``wait_captured()`` or ``aclose()`` raises it; never the guard).
+
+Incremental snapshots (``incremental=True`` or ``"versions"``; the section "incremental
+snapshots" below, and docs/design.md): before a shard's put on a tier that supports
+references, the flow asks whether the tier's newest committed step holds the same bytes;
+if so the manifest refers to them and nothing is written. In ``"versions"`` mode a shard
+whose tensors did not change since its last capture skips its capture too.
 """
 
 from __future__ import annotations
@@ -125,7 +131,8 @@ class Engine:
         self.bases: list[Manifest | None] = [None] * len(self.durable)
         self.pins: list[dict[int, int]] = [{} for _ in self.durable]
         self._removing: list[set[int]] = [set() for _ in self.durable]
-        # incremental="versions": per shard index, what its last capture recorded
+        # per shard index, what its last capture recorded (which shards to hash; with
+        # "versions", which not to capture)
         self._last_captures: dict[int, _Captured] = {}
         self.flights: dict[int, Flight] = {}
         self.protected: dict[int, int] = {}  # step -> restores in progress
