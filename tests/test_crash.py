@@ -120,7 +120,12 @@ async def test_kill_anywhere_keeps_the_last_commit(kind: str, tmp_path: Path) ->
 # the points where an incremental snapshot's references are at stake: its commit, the
 # retention that retires referenced steps and collects them, and a kill from outside
 def incremental_points(kind: str) -> list[str]:
-    return [p for p in POINTS if p.startswith((f"{kind}.", "tier.", "retention."))]
+    """The points of the tier, the engine's tier calls and retention: those where references
+    are at stake (retiring, collecting, deleting) first, so a short run reaches them."""
+    first = ["file.delete.retired", "file.collect.before_remove", "zarr.delete_dir.before_remove",
+             "retention.before_delete", "file.delete.after_unlink"]
+    mine = [p for p in POINTS if p.startswith((f"{kind}.", "tier.", "retention."))]
+    return [p for p in first if p in mine] + [p for p in mine if p not in first]
 
 
 async def check_references(root: Path, kind: str) -> list[int]:
@@ -155,24 +160,35 @@ async def test_kill_anywhere_keeps_incremental_steps_whole(
     rng = random.Random(77)
     latest: int | None = None
     reached = 0
+    killed_at: Counter[str] = Counter()
     for trial in range(max(6, KILLS // 4)):
         env = dict(os.environ, LAZYCKPT_CHILD_INCREMENTAL=mode)
         kill_after = None
+        point = "random"
         if trial % 4 == 3:
             kill_after = rng.uniform(0.5, 3.0)
             env.pop("LAZYCKPT_CRASH_AT", None)
         else:
             points = incremental_points(kind)
             point = points[trial % len(points)]
-            env["LAZYCKPT_CRASH_AT"] = f"{point}:{rng.randint(1, 8)}"
+            # a step is retired or collected about once per run of the child: at its first
+            nth = 1 if point.endswith(("retired", "before_remove")) else rng.randint(1, 3)
+            env["LAZYCKPT_CRASH_AT"] = f"{point}:{nth}"
         first = latest + 1 if latest is not None else 0
         code = run_child(tmp_path, kind, first, env, kill_after, wait="committed")
         reached += code != 0
+        if code:
+            killed_at[point] += 1
         steps = await check_references(tmp_path, kind)
         if latest is not None:
             assert steps and steps[-1] >= latest, "a committed step was lost"
         latest = steps[-1] if steps else latest
     assert reached >= 2  # most trials really were killed
+    # the kills that matter most here landed: while a step was retired or its data removed
+    assert killed_at["file.delete.retired"] + killed_at["zarr.delete_dir.before_remove"] >= 1
+    if kind == "file":
+        assert killed_at["file.collect.before_remove"] >= 1, killed_at
+    print(f"{kind}/{mode}: kills by point: {dict(killed_at)}")
 
 
 def test_sigkill_mid_flush_keeps_previous_step(tmp_path: Path) -> None:
