@@ -29,6 +29,9 @@ local, peer and the throttled PFS tier; then each case restarts the whole job, a
 - ``pfs eager`` / ``pfs lazy``: node "a" replaced and node "b"'s replicas gone too: rank 0
   reads the PFS tier.
 
+``--peer-loopback`` measures the peer tier's read path alone: both ranks' tiers in one
+process, ``--model-mib`` MiB written to the holder and read back three times (MiB/s).
+
 Each case reports: process start to first optimizer step (``start_to_step``, which includes
 importing torch), and from the restore call: to its return, to the end of the first
 forward and backward pass (``to_forward``), and to the end of the first optimizer step
@@ -256,6 +259,74 @@ def peer_main(args: argparse.Namespace) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def peer_loopback(args: argparse.Namespace) -> None:
+    """The peer tier's read path alone: rank 0's and rank 1's tiers in one process and one
+    loop (no other rank, no throttle), ``--model-mib`` MiB written to rank 1, then read back
+    three times; MiB/s of each read."""
+    import asyncio
+
+    from lazyckpt.tier import Exchange
+    from tiers import PeerTier
+
+    async def run(root: Path) -> list[float]:
+        tiers = [PeerTier(root / n, node=n, address="127.0.0.1", linger=1.0) for n in "ab"]
+        rounds: list[dict[int, Any]] = [{}, {}]
+        ready = [asyncio.Event(), asyncio.Event()]
+
+        def exchange(rank: int) -> Exchange:
+            calls = [0]
+
+            async def call(value: Any) -> list[Any]:
+                i = calls[0]
+                calls[0] += 1
+                rounds[i][rank] = value
+                if len(rounds[i]) == 2:
+                    ready[i].set()
+                await ready[i].wait()
+                return [rounds[i][0], rounds[i][1]]
+
+            return call
+
+        for rank, tier in enumerate(tiers):
+            tier.bind(rank, 2)
+            await tier.open()
+        await asyncio.gather(*(t.rendezvous(exchange(r)) for r, t in enumerate(tiers)))
+        import dataclasses
+
+        import torch
+
+        from lazyckpt.testing._oracle import build_snapshot
+
+        numel = (args.model_mib << 20) // 4
+        state = {"w": torch.randn(numel, generator=torch.Generator().manual_seed(0))}
+        manifest, payloads = build_snapshot(1, state, shard_size=8 << 20)
+        manifest = dataclasses.replace(manifest, rank=0, world_size=2)
+        shards = manifest.shards
+        owner = tiers[0]
+        await owner.begin(manifest)
+        for s, payload in zip(shards, payloads, strict=True):
+            await owner.put_shard(manifest, s, memoryview(payload))
+        await owner.commit(manifest)
+        await owner.commit_global(1, 2)
+        outs = [bytearray(s.length) for s in shards]
+        rates = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(
+                owner.read_shard(manifest, s, memoryview(o)) for s, o in zip(shards, outs, strict=True)
+            ))
+            rates.append(args.model_mib / (time.perf_counter() - t0))
+        assert [bytes(o) for o in outs] == payloads
+        await asyncio.gather(*(t.aclose() for t in tiers))
+        return rates
+
+    root = Path(tempfile.mkdtemp(prefix="lazyckpt-peer-loopback-"))
+    try:
+        print(json.dumps({"mib": args.model_mib, "read_mib_s": asyncio.run(run(root))}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def setup(root: Path, args: argparse.Namespace) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -314,12 +385,16 @@ def main() -> None:
     parser.add_argument("--pfs-latency-ms", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--peers", action="store_true", help="peer replicas: 2 ranks on 2 simulated nodes")
+    parser.add_argument("--peer-loopback", action="store_true", help="the peer read path alone, one process")
     parser.add_argument("--child", nargs=3, metavar=("ROOT", "CASE", "STARTED"), help=argparse.SUPPRESS)
     parser.add_argument("--peer-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer_child:
         root, case, started, rank = args.peer_child
         print(json.dumps(peer_rank(Path(root), case, float(started), int(rank), args)))
+        return
+    if args.peer_loopback:
+        peer_loopback(args)
         return
     if args.peers:
         peer_main(args)

@@ -7,8 +7,8 @@ new node's ranks find no local copy; they read their shards from the peers' repl
 each checked against the manifest's crc32c, and touch the shared file system only for a
 shard no peer has a good copy of.
 
-Run it as ``python examples/peer_replicas.py``: it plays a job of 4 ranks on 2 nodes on
-this machine (gloo on loopback; ``LAZYCKPT_NODE`` tells the simulated nodes apart, as
+Run it as ``python examples/peer_replicas.py [--ranks-per-node 2]``: it plays a job of 4
+ranks on 2 nodes on this machine (gloo on loopback; ``LAZYCKPT_NODE`` tells the simulated nodes apart, as
 torchrun's ``GROUP_RANK`` or the host name do on a cluster). The job trains and
 checkpoints; then node "a" is replaced (its local disk and memory wiped), the job restarts,
 restores the newest step, and checks it bit for bit against what it saved.
@@ -19,6 +19,7 @@ every node, with ``PeerTier("/dev/shm/<job>-replicas")`` for replicas in memory.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import lazyckpt
 from tiers import FileTier, HostMemoryTier, PeerTier, ZarrTier
 
-WORLD = 4  # ranks 0, 1 on node "a"; 2, 3 on node "b"
+NODES = ("a", "b")
 
 
 def make_model(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -63,10 +64,10 @@ def chain(root: Path, node: str) -> list[lazyckpt.Tier]:
     ]
 
 
-def rank_main(rank: int, root: Path, phase: str, port: int) -> None:
-    node = "a" if rank < WORLD // 2 else "b"
+def rank_main(rank: int, world: int, root: Path, phase: str, port: int) -> None:
+    node = NODES[rank * len(NODES) // world]  # consecutive ranks share a node, as torchrun
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         LAZYCKPT_NODE=node, GLOO_SOCKET_IFNAME="lo",
     )
     dist.init_process_group("gloo")
@@ -122,12 +123,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(root: Path, phase: str) -> list[dict[str, Any]]:
+def run_job(root: Path, phase: str, world: int) -> list[dict[str, Any]]:
     """Start the job's ranks (as torchrun would) and wait for all of them."""
     port = str(free_port())
     ranks = [
-        subprocess.Popen([sys.executable, __file__, str(r), str(root), phase, port])
-        for r in range(WORLD)
+        subprocess.Popen([sys.executable, __file__, str(r), str(world), str(root), phase, port])
+        for r in range(world)
     ]
     try:
         codes = [p.wait(timeout=300) for p in ranks]
@@ -138,18 +139,21 @@ def run_job(root: Path, phase: str) -> list[dict[str, Any]]:
                 p.wait()
     if any(codes):
         sys.exit(f"the {phase} job failed: exit codes {codes}")
-    return [json.loads((root / f"report-{phase}-rank{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((root / f"report-{phase}-rank{r}.json").read_text()) for r in range(world)]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    world = len(NODES) * parser.parse_args().ranks_per_node
     root = Path(tempfile.mkdtemp(prefix="lazyckpt-peers-"))
     try:
-        print("training 4 ranks on nodes a (ranks 0, 1) and b (ranks 2, 3), a snapshot every 2 steps")
-        for r in run_job(root, "train"):
+        print(f"training {world} ranks on nodes a and b, a snapshot every 2 steps")
+        for r in run_job(root, "train", world):
             print(f"  rank {r['rank']} (node {r['node']}) holds replicas of rank(s) {r['holds_replicas_of']}")
         print("node a is replaced: its local disk and its memory are empty")
         shutil.rmtree(root / "node-a")
-        reports = run_job(root, "resume")
+        reports = run_job(root, "resume", world)
         for r in reports:
             print(
                 f"  rank {r['rank']} (node {r['node']}) restored step {r['step']} in "
@@ -163,7 +167,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5:  # one rank of the job
-        rank_main(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    if len(sys.argv) == 6:  # one rank of the job
+        rank_main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
     else:
         main()

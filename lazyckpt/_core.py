@@ -440,11 +440,11 @@ class _Core:
                 f"({', '.join(t.name for t in engine.tiers)}); nothing to delete"
             )
         errors: list[Exception] = []
-        for stage, tier in enumerate(engine.tiers if engine.host else [None, *engine.tiers]):
-            if tier is None:
+        for stage in engine.stages:
+            if stage.tier is None:  # the private staging arena keeps no snapshot
                 continue
             try:
-                await engine.delete_on_tier(tier, stage, step)
+                await engine.delete_on_tier(stage.tier, stage.index, step)
             except Exception as exc:
                 errors.append(exc)
         if engine.coordinator is not None:
@@ -486,7 +486,7 @@ class _Core:
         except TimeoutError:
             timed_out = True
         watched.update(engine.flights)  # submitted meanwhile (from another thread)
-        names = [n for n in engine.stage_names if not n.startswith("<")]
+        names = engine.tier_names
         reached: dict[int, tuple[str, ...]] = {}
         failed: dict[int, tuple[str, ...]] = {}
         pending: dict[int, tuple[str, ...]] = {}

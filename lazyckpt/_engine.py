@@ -57,7 +57,7 @@ from ._errors import (
     TierFullError,
 )
 from ._fetch import read_copy
-from ._flight import Flight, SnapshotStats
+from ._flight import Flight, SnapshotStats, Stage
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._options import CheckpointerOptions
@@ -103,9 +103,13 @@ class Engine:
                     f"{t!r} is a host-memory tier; it can only be the first tier of the chain"
                 )
         self.table: StateTable = build_table([t.level for t in self.durable])
-        # stage 0 is the host stage (the host tier, or the engine's private staging arena)
-        self.stage_names: list[str] = [self.host.name if self.host else "<staging>"]
-        self.stage_names += [t.name for t in self.durable]
+        # the chain's stages, indexed from 0 everywhere: 0 is the host stage (the host tier,
+        # or the engine's private staging arena), 1.. the durable tiers in chain order
+        self.stages: list[Stage] = [Stage(0, self.host.name if self.host else "<staging>", self.host)]
+        self.stages += [Stage(k, t.name, t) for k, t in enumerate(self.durable, 1)]
+        self.stage_names: list[str] = [stage.name for stage in self.stages]
+        # the stages that are a tier of the chain (what a handle's reached() may name)
+        self.tier_names: list[str] = [stage.name for stage in self.stages if stage.tier is not None]
         if self.staging is not None:
             self.arena: HostArena = self.staging.arena
         else:
@@ -128,9 +132,9 @@ class Engine:
         self.digesting = bool(options.incremental) and any(
             isinstance(t, SupportsReferences) for t in self.durable
         )
-        self.bases: list[Manifest | None] = [None] * len(self.durable)
-        self.pins: list[dict[int, int]] = [{} for _ in self.durable]
-        self._removing: list[set[int]] = [set() for _ in self.durable]
+        self.bases: dict[int, Manifest | None] = dict.fromkeys(self._durable_stages(), None)
+        self.pins: dict[int, dict[int, int]] = {k: {} for k in self._durable_stages()}
+        self._removing: dict[int, set[int]] = {k: set() for k in self._durable_stages()}
         # per shard index, what its last capture recorded (which shards to hash; with
         # "versions", which not to capture)
         self._last_captures: dict[int, _Captured] = {}
@@ -142,9 +146,10 @@ class Engine:
         self._tg: asyncio.TaskGroup | None = None
         self._main_done: concurrent.futures.Future[None] | None = None
         self._stop: asyncio.Event | None = None
-        self._tier_sems: list[asyncio.Semaphore] = []
-        self._retention_locks: list[asyncio.Lock] = []
-        self._retention_queued: list[bool] = []
+        # per durable stage (by its index): its turn on the tier, and its retention passes
+        self._tier_sems: dict[int, asyncio.Semaphore] = {}
+        self._retention_locks: dict[int, asyncio.Lock] = {}
+        self._retention_queued: dict[int, bool] = {}
         self._kept_order: asyncio.Lock | None = None
         self._kept_queue: list[Flight] = []  # host-only chain: started flights, step order
         self.closed = False
@@ -161,6 +166,17 @@ class Engine:
         self.tier_seconds: dict[str, float] = dict.fromkeys(self.stage_names, 0.0)
         self.tier_reused: dict[str, int] = dict.fromkeys(self.stage_names, 0)
         self.uncaptured_bytes = 0  # incremental="versions": bytes not captured at all
+
+    def _durable_stages(self) -> range:
+        """The indexes of the durable stages (1.. in chain order)."""
+        return range(1, len(self.stages))
+
+    def tier_of(self, stage: int) -> Tier:
+        """The tier of a stage (stage 0 has one only with a host tier)."""
+        tier = self.stages[stage].tier
+        if tier is None:
+            raise AssertionError(f"stage {stage} is the private staging arena, not a tier")
+        return tier
 
     # -- life cycle (any thread) -----------------------------------------------------------
 
@@ -185,10 +201,12 @@ class Engine:
             # tiers that keep replicas on other ranks meet their peers (_replica)
             await join_peers(self.tiers, partial(self.coordinator.gather, 0))
             await self.coordinator.barrier()  # nobody writes before every rank cleaned up
-        self._tier_sems = [asyncio.Semaphore(self.options.io_concurrency) for _ in self.durable]
+        self._tier_sems = {
+            k: asyncio.Semaphore(self.options.io_concurrency) for k in self._durable_stages()
+        }
         # retention: one pass at a time per tier; a pass not yet listing covers new commits
-        self._retention_locks = [asyncio.Lock() for _ in self.durable]
-        self._retention_queued = [False] * len(self.durable)
+        self._retention_locks = {k: asyncio.Lock() for k in self._durable_stages()}
+        self._retention_queued = dict.fromkeys(self._durable_stages(), False)
         self._kept_order = asyncio.Lock()
         started = asyncio.Event()
         self._stop = asyncio.Event()
@@ -201,7 +219,7 @@ class Engine:
                     self._queues = [asyncio.Queue() for _ in self.stage_names]
                     self._coordinators = [
                         tg.create_task(self._coordinate(k), name=f"lazyckpt-coordinate-{k}")
-                        for k in range(1, len(self.stage_names))
+                        for k in self._durable_stages()
                     ]
                 started.set()
                 await self._stop.wait()
@@ -347,10 +365,10 @@ class Engine:
                 # each durable tier prepares the step beside the capture, never in front of
                 # it: the guard waits for captures only, so a tier whose begin() is slow or
                 # hangs must not hold training up; a shard waits for it before its put
-                flight.begun = [
-                    tg.create_task(self._begin(flight, k, t), name=f"lazyckpt-begin-{k}")
-                    for k, t in enumerate(self.durable, 1)
-                ]
+                flight.begun = {
+                    k: tg.create_task(self._begin(flight, k, self.tier_of(k)), name=f"lazyckpt-begin-{k}")
+                    for k in self._durable_stages()
+                }
                 if self.host_last:
                     await self._run_kept(flight, tg)
                 else:
@@ -414,8 +432,8 @@ class Engine:
     async def _commit_empty(self, flight: Flight) -> None:
         self._on_all_captured(flight)
         await self._on_all_checksummed(flight)
-        for k in range(1, len(self.stage_names)):
-            if await flight.begun[k - 1]:
+        for k in self._durable_stages():
+            if await flight.begun[k]:
                 await self._commit(flight, k)
 
     async def _shard_flow(self, flight: Flight, i: int, shard: ShardMeta, block: Block) -> None:
@@ -457,8 +475,9 @@ class Engine:
             flight.checksummed_count += 1
             if flight.checksummed_count == len(m.shards):
                 await self._on_all_checksummed(flight)
-            for k, tier in enumerate(self.durable, 1):
-                if not await flight.begun[k - 1] or self._failed_at(flight, k):
+            for k in self._durable_stages():
+                tier = self.tier_of(k)
+                if not await flight.begun[k] or self._failed_at(flight, k):
                     break
                 try:
                     if self._reuse(flight, k, i):
@@ -467,14 +486,15 @@ class Engine:
                     else:
                         # the turn on the tier first, then the block: a shard queued behind
                         # a slow tier holds no arena space it does not need yet
-                        async with self._tier_sems[k - 1]:
+                        async with self._tier_sems[k]:
                             if not holding:
                                 holding = self.arena.claim(block)
                                 if not holding:  # evicted: read it back from the previous tier
+                                    previous = k - 1  # the stage before: it holds the shard
                                     block = await self._refetch(
                                         flight,
-                                        replace(shard, stored_in=flight.stored_in[k - 1].get(i)),
-                                        k - 1,
+                                        replace(shard, stored_in=flight.stored_in[previous].get(i)),
+                                        previous,
                                     )
                                     holding = True
                             t0 = time.perf_counter()
@@ -538,7 +558,7 @@ class Engine:
         """Pin, per durable tier, the committed manifest this flight is compared with."""
         m = flight.manifest
         flight.manifest = replace(m, extra={**m.extra, "incremental": True})
-        for k in range(1, len(self.stage_names)):
+        for k in self._durable_stages():
             self._take_base(flight, k)
 
     def _take_base(self, flight: Flight, stage: int) -> None:
@@ -546,25 +566,25 @@ class Engine:
         than its base so far (a flight started before its predecessor committed takes the
         predecessor once it has). Every base a flight took stays pinned until it is done:
         shards it already referred to may name steps only that base keeps alive."""
-        base = self.bases[stage - 1]
+        base = self.bases[stage]
         current = flight.bases[stage]
         m = flight.manifest
         if (
             base is None
             or (current is not None and base.step <= current.step)
-            or not isinstance(self.durable[stage - 1], SupportsReferences)
+            or not isinstance(self.tier_of(stage), SupportsReferences)
             or base.step == m.step
             or base.rank != m.rank
-            or base.step in self._removing[stage - 1]
+            or base.step in self._removing[stage]
         ):
             return
         flight.bases[stage] = base
         flight.pinned.append((stage, base))
-        self.pins[stage - 1][base.step] = self.pins[stage - 1].get(base.step, 0) + 1
+        self.pins[stage][base.step] = self.pins[stage].get(base.step, 0) + 1
 
     def _unpin(self, flight: Flight) -> None:
         for stage, base in flight.pinned:
-            pins = self.pins[stage - 1]
+            pins = self.pins[stage]
             pins[base.step] -= 1
             if not pins[base.step]:
                 del pins[base.step]
@@ -602,11 +622,11 @@ class Engine:
         manifest = flight.committed_as[stage]
         if stage == 0 or not self.digesting or manifest is None:
             return
-        if not isinstance(self.durable[stage - 1], SupportsReferences):
+        if not isinstance(self.tier_of(stage), SupportsReferences):
             return
-        current = self.bases[stage - 1]
+        current = self.bases[stage]
         if current is None or manifest.step > current.step:
-            self.bases[stage - 1] = manifest
+            self.bases[stage] = manifest
 
     def _in_use(self, stage: int) -> set[int]:
         """The steps whose stored data flights in flight may refer to on a durable tier."""
@@ -670,7 +690,7 @@ class Engine:
             ):
                 continue
             flight.crcs[i], flight.digests[i] = last.crc, last.digest
-            if all(self._reuse(flight, k, i) for k in range(1, len(self.stage_names))):
+            if all(self._reuse(flight, k, i) for k in self._durable_stages()):
                 flight.uncaptured.add(i)
                 self.uncaptured_bytes += shard.length
             else:
@@ -701,8 +721,8 @@ class Engine:
         flight.checksummed_count += 1
         if flight.checksummed_count == len(m.shards):
             await self._on_all_checksummed(flight)
-        for k in range(1, len(self.stage_names)):
-            if not await flight.begun[k - 1] or self._failed_at(flight, k):
+        for k in self._durable_stages():
+            if not await flight.begun[k] or self._failed_at(flight, k):
                 break
             self.tier_reused[self.stage_names[k]] += m.shards[i].length
             flight.states[i] = advance(self.table, flight.states[i], Event.PERSISTED)
@@ -719,7 +739,7 @@ class Engine:
     async def _refetch(self, flight: Flight, shard: ShardMeta, stage: int) -> Block:
         """Read an evicted shard back from the tier of ``stage`` into a new block, verified
         (``_fetch``), under that tier's deadline and retries."""
-        tier = self.durable[stage - 1]
+        tier = self.tier_of(stage)
         block = await self.arena.allocate(shard.length)
 
         async def read(source: Tier, out: memoryview) -> None:
@@ -767,7 +787,7 @@ class Engine:
     async def _commit(self, flight: Flight, stage: int) -> None:
         if self._failed_at(flight, stage):
             return
-        tier = self.host if stage == 0 else self.durable[stage - 1]
+        tier = self.host if stage == 0 else self.tier_of(stage)
         assert tier is not None
         manifest = flight.manifest.with_checksums(flight.crcs)
         if self.digesting:
@@ -796,9 +816,9 @@ class Engine:
 
     def _retain(self, tier: Tier, stage: int) -> None:
         if stage > 0 and (tier.retention.keep_last or tier.retention.keep_every):
-            if self._retention_queued[stage - 1]:
+            if self._retention_queued[stage]:
                 return  # a pass that has not listed the steps yet will see this commit too
-            self._retention_queued[stage - 1] = True
+            self._retention_queued[stage] = True
             assert self._tg is not None
             self._tg.create_task(self._apply_retention(tier, stage))
 
@@ -821,7 +841,7 @@ class Engine:
         """Decide, with every other rank and in step order, whether each flight is
         committed on this stage's tier (see ``_distributed``)."""
         assert self.coordinator is not None
-        tier = self.durable[stage - 1]
+        tier = self.tier_of(stage)
         while True:
             flight = await self._queues[stage].get()
             try:
@@ -894,13 +914,13 @@ class Engine:
         the same step at once, and each lists the steps only after every commit that asked
         for it."""
         try:
-            async with self._retention_locks[stage - 1]:
-                self._retention_queued[stage - 1] = False  # commits from now on need a new pass
+            async with self._retention_locks[stage]:
+                self._retention_queued[stage] = False  # commits from now on need a new pass
                 committed = await self._guarded(stage, "list", tier.steps)
                 deleted = False
                 for step in tier.retention.to_delete(committed):
                     # a step that flights in flight compare with stays until they are done
-                    if step in self.protected or step in self.flights or step in self.pins[stage - 1]:
+                    if step in self.protected or step in self.flights or step in self.pins[stage]:
                         continue
                     hooks.point("retention.before_delete")
                     await self._delete(tier, stage, step)
@@ -920,14 +940,14 @@ class Engine:
         if stage == 0:
             await self._guarded(0, f"delete step {step}", partial(tier.delete, step))
             return
-        async with self._retention_locks[stage - 1]:
+        async with self._retention_locks[stage]:
             await self._delete(tier, stage, step)
             await self._collect(tier, stage)
 
     async def _delete(self, tier: Tier, stage: int, step: int) -> None:
         """Delete a step on a durable tier (under its retention lock). No new flight takes
         it for a base meanwhile, and the flights that compare with it finish first."""
-        removing = self._removing[stage - 1]
+        removing = self._removing[stage]
         removing.add(step)
         try:
             for flight in list(self.flights.values()):
@@ -936,9 +956,9 @@ class Engine:
             await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
         finally:
             removing.discard(step)
-            base = self.bases[stage - 1]
+            base = self.bases[stage]
             if base is not None and base.step == step:
-                self.bases[stage - 1] = None
+                self.bases[stage] = None
 
     def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None:
         name = self.stage_names[stage]
@@ -956,7 +976,7 @@ class Engine:
                 for k in stages:
                     with contextlib.suppress(Exception):
                         await asyncio.shield(
-                            self._guarded(k, "abort", partial(self.durable[k - 1].abort, flight.step))
+                            self._guarded(k, "abort", partial(self.tier_of(k).abort, flight.step))
                         )
                 if flight.failed_from == 0 and self.staging is not None:
                     self.staging.forget(flight.step)

@@ -14,9 +14,26 @@ import torch
 from ._arena import Block
 from ._manifest import Manifest
 from ._state import ShardState
+from ._tier import Tier
 from ._tree import TensorRef
 
-__all__ = ["Flight", "SnapshotStats"]
+__all__ = ["Flight", "SnapshotStats", "Stage"]
+
+
+@dataclass(frozen=True, eq=False)
+class Stage:
+    """One stage of a chain, as the engine numbers them: ``index`` 0 is the host stage
+    (``tier`` is the host tier, or None for the engine's private staging arena, named
+    ``"<staging>"``); 1, 2, ... are the durable tiers in chain order. Every per-stage list
+    and mapping of the engine and of a :class:`Flight` is indexed by this ``index``."""
+
+    index: int
+    name: str
+    tier: Tier | None
+
+    @property
+    def durable(self) -> bool:
+        return self.index > 0
 
 
 @dataclass
@@ -71,8 +88,9 @@ class Flight:
         self.t_submit = time.perf_counter()
         nbytes = manifest.tensor_bytes if tensor_bytes is None else tensor_bytes
         self.stats = SnapshotStats(step=manifest.step, bytes=nbytes, shards=n)
-        # per durable tier: its begin(), running beside the capture; True once it succeeded
-        self.begun: list[asyncio.Task[bool]] = []
+        # per durable stage (by index): its begin(), running beside the capture; True once
+        # it succeeded
+        self.begun: dict[int, asyncio.Task[bool]] = {}
         # a host-only chain: the blocks this snapshot keeps, held until it commits or fails,
         # and whether it is finished (its blocks are given back in step order)
         self.kept: list[Block] = []

@@ -58,7 +58,7 @@ class SnapshotHandle:
             return self._flight.captured
         if stage == "committed":
             return self._flight.reached[self._engine.stage_names[-1]]
-        names = [n for n in self._engine.stage_names if not n.startswith("<")]
+        names = self._engine.tier_names
         if stage not in names:
             raise ConfigurationError(f"no tier named {stage!r}; tiers: {names}")
         return self._flight.reached[stage]

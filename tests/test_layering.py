@@ -177,3 +177,22 @@ def test_the_plugin_interface_is_one_module() -> None:
     assert needed <= set(lazyckpt.tier.__all__)
     for name in lazyckpt.tier.__all__:
         assert hasattr(lazyckpt.tier, name), name
+
+
+def test_builtin_tiers_use_only_the_plugin_interface() -> None:
+    # the built-in tiers are written as a third-party tier is: everything from lazyckpt.tier
+    # (hooks only for the named crash points of the tests), nothing private
+    import tiers
+
+    allowed = {"lazyckpt.tier", "lazyckpt.hooks"}
+    for path in Path(tiers.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                module = node.module or ""
+                found = {module} if module != "lazyckpt" else {f"lazyckpt.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                found = {a.name for a in node.names}
+            else:
+                continue
+            used = {m for m in found if m == "lazyckpt" or m.startswith("lazyckpt.")}
+            assert used <= allowed, f"{path.name} imports {sorted(used - allowed)}"

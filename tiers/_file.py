@@ -43,7 +43,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 from collections.abc import Callable, Collection
@@ -55,7 +54,6 @@ from lazyckpt import hooks
 from lazyckpt.tier import (
     ConfigurationError,
     CorruptionError,
-    ForeignLocationError,
     LazyCkptError,
     Manifest,
     ShardMeta,
@@ -68,6 +66,7 @@ from lazyckpt.tier import (
 )
 
 from ._file_io import ALIGN, close_after, open_for_reading, probe_direct, pwrite, read_piece
+from ._file_location import MANIFEST, MARKER, RETIRED, STEP_DIR, marker_document, survey
 from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
 
 __all__ = ["FileTier"]
@@ -77,22 +76,6 @@ log = logging.getLogger("lazyckpt")
 # what a shared file system may answer while another rank removes the same directory
 _RACING_REMOVAL = {errno.ENOTEMPTY, errno.ESTALE, errno.EBUSY}
 
-_STEP_DIR = re.compile(r"^step-(\d{12})$")
-MANIFEST = "manifest.json"
-MARKER = "lazyckpt-file.json"  # what kind of location this is, and its format
-MARKER_FORMAT = "lazyckpt-file"
-LAYOUT_VERSION = 1
-# the only names a file tier writes inside a step directory (temporaries: see _publish)
-_STEP_FILE = re.compile(r"^(manifest\.json|retired|rank-\d{5}\.(data|json))$")
-RETIRED = "retired"  # in a step directory deleted while committed steps refer to its data
-_TEMP = re.compile(r"^(manifest|rank-\d{5}|lazyckpt-file)\.json\.\d+\.\d+\.tmp$")
-_LOCK = re.compile(r"^\.lazyckpt-writer-rank-\d{5}\.lock$")
-# what other stores leave at their root: a file tier never writes these
-_FOREIGN_SIGNS = {
-    "zarr.json": "a Zarr store (zarr.json; a ZarrTier location?)",
-    ".zgroup": "a Zarr v2 store (.zgroup)",
-    ".zarray": "a Zarr v2 array (.zarray)",
-}
 
 
 class FileTier(Tier):
@@ -219,13 +202,13 @@ class FileTier(Tier):
         if self.readonly:
             if not self.root.is_dir():
                 raise SnapshotNotFoundError(f"{self.root}: no such directory (tier {self.name!r})")
-            self._survey(writing=False)  # refuses another store's location; changes nothing
+            survey(self.root, writing=False)  # refuses another store's location; changes nothing
             return
         if self.root.is_dir():
             # a foreign location is refused before anything (even a lock) is written there,
             # by every rank; the others only look for another store's signs, as a reader
             # does, since rank 0 may be sweeping leftovers meanwhile
-            self._survey(writing=self.world_size == 1 or self.rank == 0)
+            survey(self.root, writing=self.world_size == 1 or self.rank == 0)
         self.root.mkdir(parents=True, exist_ok=True)
         lock = WriterLock(self.root / lock_name(self.rank), str(self.root))
         lock.acquire()
@@ -235,9 +218,9 @@ class FileTier(Tier):
             self._lock = lock
             return
         try:
-            marked, leftovers, temps = self._survey()
+            marked, leftovers, temps = survey(self.root)
             if not marked:
-                self._publish(self.root, MARKER, _marker_document(), sync_root=False)
+                self._publish(self.root, MARKER, marker_document(), sync_root=False)
             if leftovers:
                 # a retired step (data that committed incremental steps refer to) is not a
                 # leftover; when a manifest cannot be read, nothing is taken for one
@@ -254,66 +237,6 @@ class FileTier(Tier):
             lock.release()
             raise
         self._lock = lock
-
-    def _survey(self, *, writing: bool = True) -> tuple[bool, list[Path], list[Path]]:
-        """What the root holds: whether it carries the marker, the uncommitted step
-        directories a crash left, and the temporaries. Raises
-        :class:`~lazyckpt.ForeignLocationError` when anything says this is not a file tier's
-        location (nothing has been changed then). A reader (not ``writing``), which deletes
-        nothing, only refuses what another store wrote, not files it merely does not know."""
-        where = str(self.root)
-        marked = False
-        marker = self.root / MARKER
-        if marker.exists():
-            _check_marker(marker)
-            marked = True
-        leftovers: list[Path] = []
-        temps: list[Path] = []
-        strangers: list[str] = []
-        for entry in sorted(self.root.iterdir()):
-            name = entry.name
-            if name in _FOREIGN_SIGNS:
-                raise ForeignLocationError(
-                    f"{self.root} holds {_FOREIGN_SIGNS[name]}, not a file tier's snapshots; "
-                    "nothing was changed. Open it with the tier that wrote it, or give "
-                    "FileTier another directory.",
-                    location=where,
-                )
-            if _STEP_DIR.match(name) and entry.is_dir():
-                try:
-                    names = sorted(p.name for p in entry.iterdir())
-                except FileNotFoundError:  # a writer beside this reader removed it meanwhile
-                    continue
-                temps += [entry / n for n in names if _TEMP.match(n)]
-                foreign = [n for n in names if not _STEP_FILE.match(n) and not _TEMP.match(n)]
-                if not writing:
-                    foreign = [n for n in foreign if n == "zarr.json"]
-                if foreign:
-                    what = (
-                        "a Zarr group (a ZarrTier location?)"
-                        if "zarr.json" in foreign
-                        else f"files a file tier never writes ({', '.join(foreign[:5])})"
-                    )
-                    raise ForeignLocationError(
-                        f"{entry} holds {what}; nothing was changed. Open the location with "
-                        "the tier that wrote it, or move that directory away.",
-                        location=where,
-                    )
-                if MANIFEST not in names:
-                    leftovers.append(entry)
-            elif _TEMP.match(name):
-                temps.append(entry)
-            elif not (_LOCK.match(name) or name == MARKER):
-                strangers.append(name)
-        if strangers and not marked and writing:
-            raise ForeignLocationError(
-                f"{self.root} holds {', '.join(strangers[:5])}"
-                f"{' and more' if len(strangers) > 5 else ''}, which a file tier did not "
-                "write, and no lazyckpt-file.json marker; nothing was changed. Give FileTier "
-                "an empty or new directory.",
-                location=where,
-            )
-        return marked, leftovers, temps
 
     async def aclose(self) -> None:
         if self._closed:
@@ -508,7 +431,7 @@ class FileTier(Tier):
                 names = await aiofiles.os.listdir(self.root)
             except FileNotFoundError:
                 return []
-            steps = {int(m.group(1)): name for name in names if (m := _STEP_DIR.match(name))}
+            steps = {int(m.group(1)): name for name in names if (m := STEP_DIR.match(name))}
             found = await asyncio.gather(
                 *(aiofiles.os.path.exists(self.root / name / MANIFEST) for name in steps.values())
             )
@@ -623,7 +546,7 @@ class FileTier(Tier):
         for entry in self.root.iterdir():
             # only what delete() retired: a directory without a manifest may also be a step
             # another rank is writing
-            m = _STEP_DIR.match(entry.name)
+            m = STEP_DIR.match(entry.name)
             if (
                 m
                 and int(m.group(1)) not in keep
@@ -676,7 +599,7 @@ class FileTier(Tier):
         return sorted(
             int(m.group(1))
             for name in names
-            if (m := _STEP_DIR.match(name)) and (self.root / name / MANIFEST).exists()
+            if (m := STEP_DIR.match(name)) and (self.root / name / MANIFEST).exists()
         )
 
     def _read_references(self, step: int) -> frozenset[int] | None:
@@ -703,32 +626,6 @@ class FileTier(Tier):
 
 
 def _step_of(entry: Path) -> int:
-    m = _STEP_DIR.match(entry.name)
+    m = STEP_DIR.match(entry.name)
     assert m is not None
     return int(m.group(1))
-
-
-def _marker_document() -> bytes:
-    return json.dumps({"format": MARKER_FORMAT, "version": LAYOUT_VERSION}).encode()
-
-
-def _check_marker(path: Path) -> None:
-    """The marker must say "file tier", in a format this version reads."""
-    try:
-        doc = json.loads(path.read_bytes())
-        kind, version = doc["format"], doc["version"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ForeignLocationError(
-            f"{path} is not a file tier's marker ({exc!r:.100}); nothing was changed",
-            location=str(path.parent),
-        ) from None
-    if kind != MARKER_FORMAT:
-        raise ForeignLocationError(
-            f"{path} marks a location of kind {kind!r}, not a file tier's; nothing was changed",
-            location=str(path.parent),
-        )
-    if type(version) is not int or version > LAYOUT_VERSION:
-        raise ConfigurationError(
-            f"{path.parent} was written by a newer lazyckpt (file layout {version!r}, this "
-            f"version reads up to {LAYOUT_VERSION}); upgrade lazyckpt"
-        )

@@ -121,7 +121,10 @@ class PeerTier(Tier):
         timeout: seconds one request to a peer may take (connecting included) before it
             fails with :class:`~lazyckpt.TierBrokenError` and the next holder (or, on a
             restore, the next tier) is tried.
-        linger: seconds ``aclose`` keeps serving peers still connected.
+        linger: seconds ``aclose`` keeps serving peers still connected (default 10): a
+            rank that finished its restore does not pull its replicas away from a peer
+            still reading them. Keep it below a preemption's grace period: a peer whose
+            node vanished without closing its connections is waited for that long.
         name, keep_last, keep_every: as for every tier; retention deletes this rank's old
             steps on its holders.
     """
@@ -138,7 +141,7 @@ class PeerTier(Tier):
         address: str | None = None,
         port: int = 0,
         timeout: float = 60.0,
-        linger: float = 30.0,
+        linger: float = 10.0,
         name: str | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,

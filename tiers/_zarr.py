@@ -80,13 +80,11 @@ import asyncio
 import json
 import logging
 from collections.abc import Collection
-from pathlib import Path
 
 from lazyckpt.tier import (
     FORMAT_VERSION,
     ConfigurationError,
     CorruptionError,
-    ForeignLocationError,
     LocationInUseError,
     Manifest,
     ShardMeta,
@@ -97,12 +95,7 @@ from lazyckpt.tier import (
 
 from ._zarr_codec import _chunk_parts, _decode_pack_shard, _encode_pack_shard
 from ._zarr_layout import (
-    _OURS_AT_ROOT,
-    _PART_GROUP,
-    _STEP_CHILDREN,
-    _STEP_GROUP,
     _ChunkTarget,
-    _documents,
     _group_doc,
     _pack_document,
     _PackTarget,
@@ -111,24 +104,19 @@ from ._zarr_layout import (
     _Plan,
     _rank_name,
     _step_prefix,
-    plan_snapshot,
 )
+from ._zarr_location import ZarrLocation
 from ._zarr_store import DurableLocalStore
-from ._zarr_writer import ZarrWriter
 
 __all__ = ["ZarrTier"]
 
 log = logging.getLogger("lazyckpt")
 
 
-def _is_file(path: Path) -> bool:
-    return path.exists() and not path.is_dir()
-
-
 # -- the tier -----------------------------------------------------------------------------------
 
 
-class ZarrTier(ZarrWriter):
+class ZarrTier(ZarrLocation):
     """Snapshots as Zarr v3 groups on a parallel file system path or on S3.
 
     Each committed snapshot is a group that plain ``zarr`` opens and reads tensors from by
@@ -172,181 +160,7 @@ class ZarrTier(ZarrWriter):
     level = TierLevel.PFS
     default_name = "zarr"
 
-    # -- life cycle ------------------------------------------------------------------------
-
-    async def open(self) -> None:
-        """Check that the location is a lazyckpt Zarr store; for writing, also create it,
-        take the writer's lock (path) or lease (S3), rebuild a lost index, and remove what a
-        crash left uncommitted (see the module docstring)."""
-        with self._backend(f"open {self.location}"):
-            local = self._local
-            if local is not None and await asyncio.to_thread(_is_file, local):
-                raise ConfigurationError(
-                    f"ZarrTier location {local} is a file, not a directory; give a directory"
-                )
-            if self.readonly:
-                await self._open_readonly()
-                return
-            # a foreign location is refused before the lock or lease is written there
-            if await self._read_root() is None:
-                names = await self._names("")
-                if self._committer:
-                    await self._rebuild_index(self._check_root_names(names))
-                else:  # rank 0 may be writing the root meanwhile
-                    self._check_root_names([n for n in names if n != "zarr.json"])
-            await self._take_writer_lock()
-            try:
-                await self._open_for_writing()
-            except BaseException:
-                await self._drop_writer_lock()
-                raise
-
-    async def _open_readonly(self) -> None:
-        root = await self._read_root()
-        if root is not None:
-            self._check_version(root)
-            return
-        names = await self._names("")
-        steps = self._check_root_names(names)
-        if steps:
-            raise CorruptionError(
-                f"{self.location}/zarr.json, the commit index, is missing but step groups are "
-                "there; open the location once for writing (ZarrTier without readonly) to "
-                "rebuild the index from the steps whose commit records verify"
-            )
-        raise SnapshotNotFoundError(f"{self.location}: no lazyckpt Zarr store there")
-
-    async def _open_for_writing(self) -> None:
-        root = await self._read_root()
-        if root is None:
-            if not self._committer:
-                return  # rank 0 creates the root; every rank waits for it before writing
-            names = await self._names("")
-            steps = self._check_root_names(names)
-            committed, incomplete = await self._rebuild_index(steps)
-            if self._leased:
-                await self._update_fenced_index(committed, None, claim=True)
-            else:
-                document = {"format_version": FORMAT_VERSION, "committed": committed}
-                await self._put("zarr.json", _group_doc({"lazyckpt": document}))
-            if steps:
-                log.warning(
-                    "%s: the commit index (zarr.json) was missing; rebuilt it from the %d of "
-                    "%d step groups whose commit records verify (%s); the others were left "
-                    "in place%s",
-                    self.location,
-                    len(committed),
-                    len(steps),
-                    ", ".join(map(str, committed[-5:])) or "none",
-                    "; these have a commit record but not all their objects (a delete that "
-                    f"stopped part way?): {', '.join(map(_step_prefix, incomplete[:5]))}"
-                    if incomplete
-                    else "",
-                )
-            return  # nothing is deleted on the open that rebuilt the index
-        self._check_version(root)
-        if not self._committer:
-            return  # rank 0 cleans up; every rank waits for it before writing
-        if self._leased:
-            # the index names this writer before anything is deleted: a writer whose lease
-            # this one took over can no longer commit the steps swept below
-            await self._update_fenced_index((), None, claim=True)
-            root = await self._read_root()
-        # a retired step is kept for the committed steps that read it, not swept
-        indexed = set(self._committed(root)) | set(self._retired(root))
-        leftovers = []
-        async for name in self._store.list_dir(""):
-            m = _STEP_GROUP.match(name.rstrip("/"))
-            if m and int(m.group(1)) not in indexed:
-                leftovers.append(m.group(0))
-        for prefix in leftovers:  # each must be this layout, or nothing is deleted
-            strange = [
-                n
-                for n in await self._names(prefix)
-                if n not in _STEP_CHILDREN and not _PART_GROUP.match(n)
-            ]
-            if strange:
-                raise ForeignLocationError(
-                    f"{self.location}/{prefix} is not committed but holds "
-                    f"{', '.join(strange[:5])}, which ZarrTier never writes; nothing was "
-                    "deleted. Move it away.",
-                    location=self.location,
-                )
-        # what a crash left: snapshots that never reached the index
-        await self._all(self._request(self._store.delete_dir(p)) for p in leftovers)
-        if self._retired(root):  # retired steps whose last referrer went before a crash
-            await self.collect()
-
-    def _check_root_names(self, names: list[str]) -> list[str]:
-        """The step groups at a root without its ``zarr.json``; raises
-        :class:`~lazyckpt.ForeignLocationError` for anything ZarrTier does not write."""
-        if "lazyckpt-file.json" in names:
-            raise ForeignLocationError(
-                f"{self.location} is a FileTier location (lazyckpt-file.json), not a Zarr "
-                "store; nothing was changed. Open it with FileTier, or give ZarrTier another "
-                "location.",
-                location=self.location,
-            )
-        strangers = [n for n in names if not _STEP_GROUP.match(n) and not _OURS_AT_ROOT.match(n)]
-        if strangers:
-            raise ForeignLocationError(
-                f"{self.location} holds {', '.join(sorted(strangers)[:5])}, which ZarrTier "
-                "did not write, and no lazyckpt zarr.json; nothing was changed. Give ZarrTier "
-                "an empty or new location.",
-                location=self.location,
-            )
-        return sorted(n for n in names if _STEP_GROUP.match(n))
-
-    async def _rebuild_index(self, groups: list[str]) -> tuple[list[int], list[int]]:
-        """The steps among ``groups`` whose commit records verify (a lost index, rebuilt),
-        and those whose records verify but whose objects are not all there.
-
-        A group without a commit record was never committed and is left alone; a record
-        that does not verify stops the open, since nobody can tell what it held. A record
-        does not prove its data: a delete that stopped part way (the index already without
-        the step) leaves the record beside a part of the objects, so every object each
-        manifest names must be listed too, or the step is left out (and left in place)."""
-        committed: list[int] = []
-        incomplete: list[int] = []
-        for prefix in groups:
-            step = int(prefix[len("step-") :])
-            names = await self._names(prefix)
-            if "manifest.json" in names or any(n.endswith(".data") for n in names):
-                raise ForeignLocationError(
-                    f"{self.location}/{prefix} is a FileTier snapshot (manifest.json, "
-                    "rank-*.data), not a Zarr group; nothing was changed. Open the location "
-                    "with FileTier.",
-                    location=self.location,
-                )
-            if "zarr.json" not in names:
-                continue  # never committed
-            key = f"{prefix}/zarr.json"
-            try:
-                attrs = await self._group_attributes(key)
-                if "manifest" in attrs:
-                    manifests = [self._record_manifest(attrs, key, step)]
-                else:
-                    world = attrs.get("world_size")
-                    if attrs.get("step") != step or type(world) is not int or world < 2:
-                        raise CorruptionError("it is neither a manifest nor a commit record")
-                    manifests = []
-                    for rank in range(world):
-                        part = f"{_part_prefix(step, rank, world)}/zarr.json"
-                        manifests.append(
-                            self._record_manifest(await self._group_attributes(part), part, step)
-                        )
-                plans = [plan_snapshot(m, self.pack_chunk_bytes) for m in manifests]
-            except CorruptionError as exc:
-                raise CorruptionError(
-                    f"{self.location}/zarr.json (the commit index) is missing, and whether "
-                    f"step {step} was committed cannot be verified ({exc}); nothing was "
-                    f"changed. Move {prefix} away to rebuild the index without it."
-                ) from exc
-            stored = {k async for k in self._store.list_prefix(f"{prefix}/")}
-            wanted = {t.key for plan in plans for t in plan.targets}
-            wanted.update(k for plan in plans for k in _documents(plan))
-            (committed if wanted <= stored else incomplete).append(step)
-        return committed, incomplete
+    # -- life cycle (open() and the location's checks: ZarrLocation) -------------------------
 
     async def aclose(self) -> None:
         if self._closed:
@@ -603,6 +417,12 @@ class ZarrTier(ZarrWriter):
                 await self._store.delete_dir(_step_prefix(step))
 
     # -- incremental snapshots (SupportsReferences) ------------------------------------------
+
+    async def _open_for_writing(self) -> None:
+        await super()._open_for_writing()
+        if self._committer and self._retired(await self._read_root()):
+            # retired steps whose last referrer was deleted just before a crash
+            await self.collect()
 
     async def collect(self, keep: Collection[int] = ()) -> list[int]:
         """Remove every retired step that no committed step refers to and that is not in
