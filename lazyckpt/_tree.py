@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import math
+import operator
 import pickle
 import random
 import re
@@ -244,6 +246,15 @@ class KeyCache:
 
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
+# what _Walker._tensor_mapping takes in its passes
+_BATCH_MIN = 8  # below this, setting the passes up costs more than the loop
+_PLAIN_TENSORS = {torch.Tensor, _Parameter}
+_PLAIN_KEYS = {str, int}  # not bool: True is no int key here
+_LAYOUT = operator.attrgetter("layout")
+_DTYPE = operator.attrgetter("dtype")
+_IS_META = operator.attrgetter("is_meta")
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 class _Walker:
@@ -377,6 +388,10 @@ class _Walker:
             return [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
             return {"$tuple": [self.encode(v, f"{key}/{i}") for i, v in enumerate(obj)]}
+        if len(obj) >= _BATCH_MIN and not self._replicated:
+            batch = self._tensor_mapping(obj, key)
+            if batch is not None:
+                return batch
         items = []
         encode, add_tensor = self.encode, self._add_tensor
         child_path, table = self.keys.child_path, self.keys.items
@@ -403,6 +418,46 @@ class _Walker:
             child = f"{key}/{_escape(str(k))}" if key else _escape(str(k))
             items.append([encode(k, key), encode(v, child)])
         return {"$dict": items}
+
+    def _tensor_mapping(self, obj: Any, key: str) -> JSON | None:
+        """A mapping of str or int keys to plain tensors (a module's state dict) walked in a
+        few passes that each run in C, rather than one Python loop body per tensor. None,
+        having changed nothing but the key cache, when the mapping is not one of those or a
+        tensor needs a closer look (an unusual tensor, an alias, no version counter): the
+        general loop then walks it."""
+        values = list(obj.values())
+        if not set(map(type, values)) <= _PLAIN_TENSORS:
+            return None
+        keys = list(obj)
+        if not set(map(type, keys)) <= _PLAIN_KEYS:
+            return None
+        if (
+            set(map(_LAYOUT, values)) != {_STRIDED}
+            or not set(map(_DTYPE, values)) <= _DTYPE_NAMES.keys()
+            or any(map(_IS_META, values))
+        ):
+            return None
+        try:
+            versions = list(map(_VERSION, values))
+        except (RuntimeError, AttributeError):  # an inference tensor: no version counter
+            return None
+        base = len(self.tensors)
+        found = dict(zip(map(_DATA_PTR, values), range(base, base + len(values)), strict=True))
+        if len(found) != len(values) or not self._by_ptr.keys().isdisjoint(found):
+            return None  # a data pointer seen twice: perhaps an alias
+        cached = list(map(self.keys.items.get, zip(itertools.repeat(key), keys)))
+        # a miss checks the key, as the general loop would
+        entries = [
+            e if e is not None else self.keys.tensor_entry(key, k)
+            for e, k in zip(cached, keys, strict=True)
+        ]
+        self._by_ptr.update(found)
+        self.tensors.extend(map(TensorRef, [e[0] for e in entries], values, versions))
+        if [e[1] for e in entries] != list(range(base, base + len(values))):
+            for j, entry in enumerate(entries):
+                if entry[1] != base + j:  # a new list: earlier trees keep theirs as they were
+                    entry[1], entry[2] = base + j, [keys[j], {"$tensor": base + j}]
+        return {"$dict": [e[2] for e in entries]}
 
     def _add_tensor(self, t: torch.Tensor, key: str) -> int:
         key = key or "<root>"
