@@ -423,6 +423,7 @@ def check_deepspeed(root: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # DeepSpeed compiles its CPU op at first use: minutes on a busy box
 def test_kill_under_deepspeed_latest_names_a_durable_tag(tmp_path: Path) -> None:
     """A DeepSpeed job checkpointing every step through LazyCheckpointEngine (both ``wait``
     modes), killed anywhere and restarted from ``latest``: ``latest`` always names a tag
