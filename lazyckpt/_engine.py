@@ -20,6 +20,12 @@ its arena space whole and counts as committed only if the host tier keeps it.
 Every task belongs to the engine's task group; failures are recorded on the flight, raised
 from its handle, logged once, and queued for the failure policy (``on_failure="raise"``:
 the next ``snapshot()``, ``wait_captured()`` or ``aclose()`` raises it; never the guard).
+
+Incremental snapshots (``incremental=True`` or ``"versions"``; ``_incremental`` holds the
+bases, pins and skipped captures, docs/design.md the reasons): before a shard's put on a tier that supports
+references, the flow asks whether the tier's newest committed step holds the same bytes;
+if so the manifest refers to them and nothing is written. In ``"versions"`` mode a shard
+whose tensors did not change since its last capture skips its capture too.
 """
 
 from __future__ import annotations

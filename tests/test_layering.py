@@ -50,8 +50,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc"),
     ("_dist", "_tree_values", "_tree", "_manifest_entries", "_manifest_columns", "_manifest", "_options", "_state", "_arena", "_metrics", "_distributed"),
     ("_tier", "tier", "_replica"),
-    ("_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_incremental", "_capture", "_cuda", "_restore", "_dtensor",
-     "_engine", "_preemption"),
+    (
+        "_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_incremental", "_capture",
+        "_cuda", "_restore", "_dtensor", "_engine", "_preemption",
+    ),
     ("", "_handle", "_core", "_checkpointer", "timeline"),
     (
         "cli",
