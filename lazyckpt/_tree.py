@@ -35,13 +35,13 @@ from ._tree_values import (
     _ARRAY_KINDS,
     _DTYPE_NAMES,
     INLINE_ARRAY_BYTES,
-    JSON,
     DataclassValue,
     StatefulValue,
     decode_tree,
     dtype_from_name,
     dtype_name,
 )
+from ._tree_values import JSON as JSON  # re-exported: the format modules import it from here
 
 __all__ = [
     "INLINE_ARRAY_BYTES",
