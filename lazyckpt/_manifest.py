@@ -49,7 +49,13 @@ import torch
 
 from ._errors import ConfigurationError, CorruptionError
 from ._gc import collector_paused
-from ._manifest_columns import _COLUMN_FIELDS, _COLUMNS_VERSION, _columns_json, _decode_columns
+from ._manifest_columns import (
+    _COLUMN_FIELDS,
+    _COLUMNS_VERSION,
+    ColumnText,
+    _columns_json,
+    _decode_columns,
+)
 from ._manifest_entries import (
     _DIGEST,
     _MODES,
@@ -131,6 +137,11 @@ class Manifest:
     created: float = field(default_factory=time.time)
     pickled: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # not part of the manifest: its plan's encoded column text, handed on by replace() to the
+    # manifests made from this one (each text is checked against the tuple it encodes)
+    column_text: ColumnText = field(
+        default_factory=ColumnText, compare=False, repr=False, hash=False
+    )
 
     @property
     def tensor_bytes(self) -> int:
@@ -233,7 +244,9 @@ class Manifest:
         if compact is None:
             compact = len(self.tensors) >= COMPACT_TENSORS
         if compact and _COLUMNS_HOLD_EVERY_FIELD:
-            return _columns_json(self._scalars(), self.tensors, self.shards, self.tree)
+            return _columns_json(
+                self._scalars(), self.tensors, self.shards, self.tree, self.column_text
+            )
         doc = {
             "format": "lazyckpt",
             # the oldest version that can express it, so older readers keep reading

@@ -40,7 +40,7 @@ _LETTER_KINDS: dict[str, Literal["pack", "chunk"]] = {"p": "pack", "c": "chunk"}
 _COLUMN_FIELDS = {
     "Manifest": (
         "step", "tree", "tensors", "shards", "stream_bytes", "rank", "world_size", "created",
-        "pickled", "extra",
+        "pickled", "extra", "column_text",
     ),
     "TensorMeta": (
         "key", "dtype", "shape", "mode", "shards", "chunk", "offset", "alias_of",
@@ -51,11 +51,49 @@ _COLUMN_FIELDS = {
     ),
     "Segment": ("tensor", "offset", "start", "stop"),
 }
-# The encoded "tensors" object of the last few plans, by the identity of their tensors tuple
-# (snapshots of an unchanged state share it): the tuple is kept so the id stays its own.
-_TENSOR_COLUMNS: dict[int, tuple[tuple[TensorMeta, ...], str]] = {}
-# The same for the shards' layout, by (offset, length, kind, id of segments) per shard.
-_SHARD_COLUMNS: dict[tuple[Any, ...], tuple[tuple[tuple[Segment, ...], ...], str]] = {}
+
+
+class ColumnText:
+    """The column text of one plan's tensors and shard layout, kept with the manifests made
+    from that plan (``Manifest.with_checksums`` and the other ``with_`` methods hand it on),
+    so that snapshots of an unchanged state encode their bulk once.
+
+    Each text is kept with the tuple it was made from and used only for that very tuple (an
+    ``is`` check), so a manifest built with other tensors or another layout never reads a
+    stale text.
+    """
+
+    __slots__ = ("_segments", "_shards_text", "_tensors", "_tensors_text")
+
+    def __init__(self) -> None:
+        self._tensors: tuple[TensorMeta, ...] | None = None
+        self._tensors_text = ""
+        self._segments: tuple[tuple[Segment, ...], ...] | None = None
+        self._shards_text = ""
+
+    def __repr__(self) -> str:
+        return "ColumnText()"
+
+    def tensors(self, tensors: tuple[TensorMeta, ...]) -> str:
+        """The "tensors" object for ``tensors``, encoded at most once per tuple."""
+        if self._tensors is not tensors:
+            self._tensors_text = _tensor_columns(tensors)
+            self._tensors = tensors
+        return self._tensors_text
+
+    def shards(self, shards: tuple[ShardMeta, ...]) -> str:
+        """The "shards" object for ``shards``: the layout encoded at most once per plan (the
+        same segments tuples), the checksums, digests and references each time."""
+        cached = self._segments
+        if (
+            cached is None
+            or len(cached) != len(shards)
+            or any(a is not b.segments for a, b in zip(cached, shards, strict=True))
+        ):
+            self._shards_text = _shard_layout(shards)
+            self._segments = tuple(s.segments for s in shards)
+        return _with_shard_values(self._shards_text, shards)
+
 
 
 def _dumps(value: Any) -> str:
@@ -80,9 +118,6 @@ def _shared_prefix(a: str, b: str) -> int:
 
 
 def _tensor_columns(tensors: tuple[TensorMeta, ...]) -> str:
-    hit = _TENSOR_COLUMNS.get(id(tensors))
-    if hit is not None and hit[0] is tensors:
-        return hit[1]
     shared: list[int] = []
     rest: list[str] = []
     previous = ""
@@ -114,36 +149,30 @@ def _tensor_columns(tensors: tuple[TensorMeta, ...]) -> str:
         ],
         "writer": [[i, t.writer] for i, t in enumerate(tensors) if t.writer is not None],
     }
-    text = _dumps(doc)
-    if len(_TENSOR_COLUMNS) >= 4:
-        _TENSOR_COLUMNS.clear()
-    _TENSOR_COLUMNS[id(tensors)] = (tensors, text)
-    return text
+    return _dumps(doc)
 
 
-def _shard_columns(shards: tuple[ShardMeta, ...]) -> str:
-    # everything but the checksums is the plan's: encoded once per plan (with_checksums
-    # keeps each shard's segments tuple), the checksums appended
-    layout = tuple((s.offset, s.length, s.kind, id(s.segments)) for s in shards)
-    hit = _SHARD_COLUMNS.get(layout)
-    if hit is None or any(a is not b.segments for a, b in zip(hit[0], shards, strict=True)):
-        segments = [g for s in shards for g in s.segments]
-        text = _dumps(
-            {
-                "count": len(shards),
-                "offset": [s.offset for s in shards],
-                "length": [s.length for s in shards],
-                "kind": "".join([_KIND_LETTERS[s.kind] for s in shards]),
-                "nsegments": [len(s.segments) for s in shards],
-                "segment_tensor": _deltas([g.tensor for g in segments]),
-                "segment_offset": _deltas([g.offset for g in segments]),
-                "segment_start": [g.start for g in segments],
-                "segment_length": [g.stop - g.start for g in segments],
-            }
-        )
-        if len(_SHARD_COLUMNS) >= 4:
-            _SHARD_COLUMNS.clear()
-        hit = _SHARD_COLUMNS[layout] = (tuple(s.segments for s in shards), text)
+def _shard_layout(shards: tuple[ShardMeta, ...]) -> str:
+    """The plan's part of the "shards" object: everything but the checksums, digests and
+    references (an object missing its closing brace's tail is completed by
+    :func:`_with_shard_values`)."""
+    segments = [g for s in shards for g in s.segments]
+    return _dumps(
+        {
+            "count": len(shards),
+            "offset": [s.offset for s in shards],
+            "length": [s.length for s in shards],
+            "kind": "".join([_KIND_LETTERS[s.kind] for s in shards]),
+            "nsegments": [len(s.segments) for s in shards],
+            "segment_tensor": _deltas([g.tensor for g in segments]),
+            "segment_offset": _deltas([g.offset for g in segments]),
+            "segment_start": [g.start for g in segments],
+            "segment_length": [g.stop - g.start for g in segments],
+        }
+    )
+
+
+def _with_shard_values(layout: str, shards: tuple[ShardMeta, ...]) -> str:
     # the digests and references of an incremental snapshot change with every snapshot (and
     # are absent otherwise): sparse [index, value] entries after the checksums
     digests = [[s.index, s.digest] for s in shards if s.digest is not None]
@@ -153,7 +182,7 @@ def _shard_columns(shards: tuple[ShardMeta, ...]) -> str:
         extra += f',"digest":{_dumps(digests)}'
     if stored:
         extra += f',"stored_in":{_dumps(stored)}'
-    return f'{hit[1][:-1]},"crc32c":{_dumps([s.crc32c for s in shards])}{extra}}}'
+    return f'{layout[:-1]},"crc32c":{_dumps([s.crc32c for s in shards])}{extra}}}'
 
 
 def _columns_json(
@@ -161,9 +190,13 @@ def _columns_json(
     tensors: tuple[TensorMeta, ...],
     shards: tuple[ShardMeta, ...],
     tree: JSON,
+    text: ColumnText | None = None,
 ) -> bytes:
     """A manifest in the column encoding; ``scalars`` are its fields other than the tensors,
-    the shards and the tree, in the order the rows write them (``Manifest._scalars``)."""
+    the shards and the tree, in the order the rows write them (``Manifest._scalars``);
+    ``text`` holds the plan's encoded parts (a fresh one encodes everything)."""
+    if text is None:
+        text = ColumnText()
     head = _dumps({"format": "lazyckpt", "format_version": _COLUMNS_VERSION, **scalars})
     # spliced rather than dumped as one object, so that the tensors' part (the bulk) is
     # encoded once per plan; the text is what json.dumps of the whole document would give
@@ -171,9 +204,9 @@ def _columns_json(
         (
             head[:-1],
             ',"tensors":',
-            _tensor_columns(tensors),
+            text.tensors(tensors),
             ',"shards":',
-            _shard_columns(shards),
+            text.shards(shards),
             ',"tree":',
             _dumps(tree),
             "}",
