@@ -23,7 +23,6 @@ from lazyckpt import (
     LazyCkptError,
     Manifest,
     _manifest,
-    _manifest_columns,
 )
 from lazyckpt._manifest import COMPACT_TENSORS, plan_layout
 from lazyckpt._tree import walk_state
