@@ -228,6 +228,9 @@ def dcp_method(work: Workload, root: Path, snapshots: int) -> dict[str, Any]:
         iters.append(t2 - t0)
     upload.result()
     sizes.append(allocated_bytes(root / f"step-{snapshots - 1}"))
+    old = root / f"step-{snapshots - 1 - KEEP_LAST}"
+    if old.exists():
+        shutil.rmtree(old)
     later = sizes[1:] or sizes
     return {
         "stalls": stalls,

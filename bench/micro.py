@@ -260,7 +260,7 @@ def _copy_and_crc(job: Any) -> int:
         meta = job.manifest.tensors[seg.tensor]
         shape = job.manifest.segment_shape(seg)
         nbytes = job.manifest.segment_nbytes(seg)
-        src = source_view(job, seg.tensor, seg.start, seg.stop)
+        src = source_view(job, seg)
         out = dest[seg.offset : seg.offset + nbytes].view(meta.torch_dtype).view(shape)
         if len(shape) >= 1 and shape[0] > 1 and nbytes > PIECE_CRC:
             row_bytes = nbytes // shape[0]

@@ -23,6 +23,12 @@ its arena space whole and counts as committed only if the host tier keeps it.
 Every task belongs to the engine's task group; failures are recorded on the flight, raised
 from its handle, logged once, and queued for the failure policy (``on_failure="raise"``:
 the next ``snapshot()``, ``wait_captured()`` or ``aclose()`` raises it; never the guard).
+
+Incremental snapshots (``incremental=True`` or ``"versions"``; ``_incremental`` holds the
+bases, pins and skipped captures, docs/design.md the reasons): before a shard's put on a tier that supports
+references, the flow asks whether the tier's newest committed step holds the same bytes;
+if so the manifest refers to them and nothing is written. In ``"versions"`` mode a shard
+whose tensors did not change since its last capture skips its capture too.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -55,6 +61,7 @@ from ._errors import (
 )
 from ._fetch import read_copy
 from ._flight import Flight, SnapshotStats, Stage
+from ._incremental import Increments
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest, ShardMeta
 from ._options import CheckpointerOptions
@@ -62,7 +69,6 @@ from ._replica import join_peers
 from ._state import Event, StateTable, advance, build_table
 from ._tier import SupportsGlobalCommit, SupportsReferences, SupportsStaging, Tier
 from ._tiercall import RetryPolicy, call_tier
-from ._tree import TensorRef
 
 __all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 
@@ -123,19 +129,8 @@ class Engine:
         self.loop = EngineLoop(use_uvloop=options.use_uvloop)  # started by open()
         self.capture: CaptureBackend = _default_capture(options)
         self.checksums = ChecksumPool(options.checksum_threads)
-        # incremental snapshots (see _reuse): digests are computed only where a tier can
-        # refer to stored data; per durable tier, the newest manifest this engine committed
-        # there (the base the next snapshots are compared with), how many flights in flight
-        # compare with each step (a pinned step is not deleted), and the steps being deleted
-        self.incremental = options.incremental
-        self.digesting = bool(options.incremental) and any(
-            isinstance(t, SupportsReferences) for t in self.durable
-        )
-        self.bases: dict[int, Manifest | None] = dict.fromkeys(self._durable_stages(), None)
-        self.pins: dict[int, dict[int, int]] = {k: {} for k in self._durable_stages()}
-        self._removing: dict[int, set[int]] = {k: set() for k in self._durable_stages()}
-        # incremental="versions": per shard index, what its last capture recorded
-        self._last_captures: dict[int, _Captured] = {}
+        # incremental snapshots: bases, pins and skipped captures (_incremental)
+        self.increments = Increments(options.incremental, self.stages, host_only=self.host_last)
         self.flights: dict[int, Flight] = {}
         self.protected: dict[int, int] = {}  # step -> restores in progress
         self._lock = threading.Lock()
@@ -163,7 +158,6 @@ class Engine:
         self.tier_bytes: dict[str, int] = dict.fromkeys(self.stage_names, 0)
         self.tier_seconds: dict[str, float] = dict.fromkeys(self.stage_names, 0.0)
         self.tier_reused: dict[str, int] = dict.fromkeys(self.stage_names, 0)
-        self.uncaptured_bytes = 0  # incremental="versions": bytes not captured at all
 
     def _durable_stages(self) -> range:
         """The indexes of the durable stages (1.. in chain order)."""
@@ -352,11 +346,11 @@ class Engine:
         return flight.failed_from is not None and stage >= flight.failed_from
 
     async def _run_flight(self, flight: Flight) -> None:
-        if self.digesting:
-            self._choose_bases(flight)
-            self._fingerprint(flight)
-            if self.incremental == "versions":
-                self._plan_uncaptured(flight)
+        if self.increments.digesting:
+            self.increments.choose_bases(flight)
+            self.increments.fingerprint(flight)
+            if self.increments.mode == "versions":
+                self.increments.plan_uncaptured(flight)
         m = flight.manifest
         try:
             async with asyncio.TaskGroup() as tg:
@@ -571,8 +565,8 @@ class Engine:
                 return
             crc, flight.digests[i] = sums
             flight.crcs[i] = crc
-            if self.digesting:
-                self._record_capture(flight, i)
+            if self.increments.digesting:
+                self.increments.record_capture(flight, i)
             flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
             hooks.point("checksum.done")
             shard = replace(shard, crc32c=crc)
@@ -588,7 +582,7 @@ class Engine:
                 if not await flight.begun[k] or self._failed_at(flight, k):
                     break
                 try:
-                    if self._reuse(flight, k, i):
+                    if self.increments.reuse(flight, k, i):
                         # the tier holds these very bytes already: the manifest refers to them
                         self.tier_reused[self.stage_names[k]] += shard.length
                     else:
@@ -669,174 +663,13 @@ class Engine:
             return None
         return None if self._failed_at(flight, 0) else sums
 
-    # -- incremental snapshots -------------------------------------------------------------
-    #
-    # A shard is written to a tier only if its bytes differ from the same shard (same stream
-    # offset and length) of the flight's base there: the newest manifest this engine
-    # committed on that tier. "The same bytes" means the same crc32c *and* the same 128-bit
-    # SHA-256 digest; the crc32c alone would take a changed shard for an unchanged one once in
-    # 2**32 comparisons. The new manifest then names, in the shard's ``stored_in``, the step
-    # whose data holds those bytes (references are flattened: never a chain). The base is
-    # pinned while the flight runs, so retention does not delete it; the base's own
-    # references are to data that the (committed) base keeps alive on the tier.
-
-    def _choose_bases(self, flight: Flight) -> None:
-        """Pin, per durable tier, the committed manifest this flight is compared with."""
-        m = flight.manifest
-        flight.manifest = replace(m, extra={**m.extra, "incremental": True})
-        for k in self._durable_stages():
-            self._take_base(flight, k)
-
-    def _take_base(self, flight: Flight, stage: int) -> None:
-        """Compare the flight with the newest step committed on the tier, if that is newer
-        than its base so far (a flight started before its predecessor committed takes the
-        predecessor once it has). Every base a flight took stays pinned until it is done:
-        shards it already referred to may name steps only that base keeps alive."""
-        base = self.bases[stage]
-        current = flight.bases[stage]
-        m = flight.manifest
-        if (
-            base is None
-            or (current is not None and base.step <= current.step)
-            or not isinstance(self.tier_of(stage), SupportsReferences)
-            or base.step == m.step
-            or base.rank != m.rank
-            or base.step in self._removing[stage]
-        ):
-            return
-        flight.bases[stage] = base
-        flight.pinned.append((stage, base))
-        self.pins[stage][base.step] = self.pins[stage].get(base.step, 0) + 1
-
-    def _unpin(self, flight: Flight) -> None:
-        for stage, base in flight.pinned:
-            pins = self.pins[stage]
-            pins[base.step] -= 1
-            if not pins[base.step]:
-                del pins[base.step]
-        flight.pinned = []
-        flight.bases = [None] * len(flight.bases)
-
-    def _reuse(self, flight: Flight, stage: int, i: int) -> bool:
-        """Whether shard ``i`` is on the tier already (then the flight refers to it)."""
-        if i not in flight.uncaptured:  # a skipped shard keeps the base it was planned with
-            self._take_base(flight, stage)
-        base = flight.bases[stage]
-        digest = flight.digests[i]
-        if base is None or digest is None or i >= len(base.shards):
-            return False
-        had, shard = base.shards[i], flight.manifest.shards[i]
-        if (
-            had.digest != digest
-            or had.crc32c != flight.crcs[i]
-            or had.offset != shard.offset
-            or had.length != shard.length
-            or had.segments != shard.segments
-        ):
-            return False
-        # the same tensors there too (the usual case shares one planned tuple): so a tier
-        # that stores tensors by key (Zarr) finds this shard under the same names in the base
-        if base.tensors is not flight.manifest.tensors and any(
-            base.tensors[g.tensor] != flight.manifest.tensors[g.tensor] for g in shard.segments
-        ):
-            return False
-        flight.stored_in[stage][i] = base.step if had.stored_in is None else had.stored_in
-        return True
-
-    def _new_base(self, flight: Flight, stage: int) -> None:
-        """A flight committed on a durable tier: its manifest is the next snapshots' base."""
-        manifest = flight.committed_as[stage]
-        if stage == 0 or not self.digesting or manifest is None:
-            return
-        if not isinstance(self.tier_of(stage), SupportsReferences):
-            return
-        current = self.bases[stage]
-        if current is None or manifest.step > current.step:
-            self.bases[stage] = manifest
-
-    def _in_use(self, stage: int) -> set[int]:
-        """The steps whose stored data flights in flight may refer to on a durable tier."""
-        keep: set[int] = set()
-        for flight in self.flights.values():
-            for pinned_at, base in flight.pinned:
-                if pinned_at == stage:
-                    keep.add(base.step)
-                    keep |= base.references()
-        return keep
-
     async def _collect(self, tier: Tier, stage: int) -> None:
         if isinstance(tier, SupportsReferences):
-            keep = self._in_use(stage)
+            keep = self.increments.in_use(stage, self.flights.values())
             await self._guarded(stage, "collect unreferenced data", partial(tier.collect, keep))
 
-    def _fingerprint(self, flight: Flight) -> None:
-        """What each shard's tensors look like now (storage, view, version counter), and
-        which shards to digest: all but those whose tensors' version counters moved since
-        their last capture. A moved counter means a write happened, so the shard is written
-        without comparing (a digest would almost never match); a counter that did not move
-        proves nothing (a write through ``.data`` does not move it), so those shards, and
-        those never captured before, are digested and compared byte for byte. A full
-        fine-tune thus costs no hashing after its first snapshot."""
-        m = flight.manifest
-        flight.prints = [_prints(shard, flight.refs) for shard in m.shards]
-        if self.incremental == "versions":
-            flight.holds = [
-                tuple(flight.refs[g.tensor].tensor for g in shard.segments) for shard in m.shards
-            ]
-        hashing = []
-        for i, shard in enumerate(m.shards):
-            last = self._last_captures.get(i)
-            moved = (
-                last is not None
-                and flight.prints[i] is not None
-                and last.offset == shard.offset
-                and last.length == shard.length
-                and last.prints != flight.prints[i]
-            )
-            hashing.append(not moved)
-        flight.hashing = hashing
-
-    def _plan_uncaptured(self, flight: Flight) -> None:
-        """``incremental="versions"``: the shards not to capture at all, because every
-        tensor in them has the version counter and storage it had at the shard's last
-        capture, and every durable tier's base holds that capture's bytes (see
-        docs/guarantees.md for when a version counter misses a write)."""
-        m = flight.manifest
-        if self.host_last or not self.durable or any(b is None for b in flight.bases[1:]):
-            return
-        for i, shard in enumerate(m.shards):
-            last = self._last_captures.get(i)
-            prints = flight.prints[i]
-            if (
-                last is None
-                or prints is None
-                or last.prints != prints
-                or last.offset != shard.offset
-                or last.length != shard.length
-            ):
-                continue
-            flight.crcs[i], flight.digests[i] = last.crc, last.digest
-            if all(self._reuse(flight, k, i) for k in self._durable_stages()):
-                flight.uncaptured.add(i)
-                self.uncaptured_bytes += shard.length
-            else:
-                for refs in flight.stored_in:
-                    refs.pop(i, None)
-                flight.crcs[i], flight.digests[i] = 0, None
-
-    def _record_capture(self, flight: Flight, i: int) -> None:
-        prints = flight.prints[i] if flight.prints else None
-        shard = flight.manifest.shards[i]
-        if prints is None:
-            self._last_captures.pop(i, None)
-            return
-        self._last_captures[i] = _Captured(
-            shard.offset, shard.length, prints, flight.crcs[i], flight.digests[i],
-            flight.holds[i] if flight.holds else (),
-        )
-
     async def _uncaptured_flow(self, flight: Flight, i: int) -> None:
-        """A shard not captured (see :meth:`_plan_uncaptured`): every durable tier refers
+        """A shard not captured (see :meth:`Increments.plan_uncaptured`): every durable tier refers
         to the bytes its base holds; nothing is copied, checksummed or written."""
         m = flight.manifest
         flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
@@ -916,7 +749,7 @@ class Engine:
         tier = self.host if stage == 0 else self.tier_of(stage)
         assert tier is not None
         manifest = flight.manifest.with_checksums(flight.crcs)
-        if self.digesting:
+        if self.increments.digesting:
             manifest = manifest.with_digests(flight.digests)
             if stage > 0:
                 manifest = manifest.with_references(flight.stored_in[stage])
@@ -936,7 +769,7 @@ class Engine:
         if stage > 0 and self.coordinator is not None:
             flight.local_ok[stage] = True  # this rank's part; _coordinate decides the step
             return
-        self._new_base(flight, stage)
+        self.increments.new_base(flight, stage)
         self._resolve(flight, stage)
         self._retain(tier, stage)
 
@@ -993,7 +826,7 @@ class Engine:
                         await self._uncommit(tier, stage, flight.step)
                     raise
                 if all(done):
-                    self._new_base(flight, stage)
+                    self.increments.new_base(flight, stage)
                     self._resolve(flight, stage)
                     self._retain(tier, stage)
                     continue
@@ -1046,7 +879,7 @@ class Engine:
                 deleted = False
                 for step in tier.retention.to_delete(committed):
                     # a step that flights in flight compare with stays until they are done
-                    if step in self.protected or step in self.flights or step in self.pins[stage]:
+                    if step in self.protected or step in self.flights or step in self.increments.pins[stage]:
                         continue
                     hooks.point("retention.before_delete")
                     await self._delete(tier, stage, step)
@@ -1073,7 +906,7 @@ class Engine:
     async def _delete(self, tier: Tier, stage: int, step: int) -> None:
         """Delete a step on a durable tier (under its retention lock). No new flight takes
         it for a base meanwhile, and the flights that compare with it finish first."""
-        removing = self._removing[stage]
+        removing = self.increments.removing[stage]
         removing.add(step)
         try:
             for flight in list(self.flights.values()):
@@ -1082,9 +915,9 @@ class Engine:
             await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
         finally:
             removing.discard(step)
-            base = self.bases[stage]
+            base = self.increments.bases[stage]
             if base is not None and base.step == step:
-                self.bases[stage] = None
+                self.increments.bases[stage] = None
 
     def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None:
         name = self.stage_names[stage]
@@ -1136,7 +969,7 @@ class Engine:
                 )
                 self._finish_failed(flight, error, flight.failed_from)
         finally:
-            self._unpin(flight)
+            self.increments.unpin(flight)
             self._settle_kept(flight)
             self.flights.pop(flight.step, None)
             self._record(flight)
@@ -1209,7 +1042,7 @@ class Engine:
             "snapshots_in_flight": len(self.flights),
             "snapshots_skipped": self.skipped,
             "snapshots_failed": self.failed,
-            "capture_skipped_bytes": self.uncaptured_bytes,
+            "capture_skipped_bytes": self.increments.uncaptured_bytes,
             "arena": {
                 "capacity": arena.capacity,
                 "held": arena.held,
@@ -1220,45 +1053,6 @@ class Engine:
             },
             "snapshots": [vars(s).copy() for s in self.history[-100:]],
         }
-
-
-@dataclass(frozen=True)
-class _Captured:
-    """What the last capture of a shard recorded (``incremental="versions"``)."""
-
-    offset: int
-    length: int
-    prints: tuple[Any, ...]
-    crc: int
-    digest: str | None
-    # the captured tensors themselves (views, no copy): while they live, no other tensor
-    # can be allocated at their address and be taken for them
-    holds: tuple[torch.Tensor, ...]
-
-
-def _print(ref: TensorRef) -> tuple[Any, ...] | None:
-    """What must be unchanged for a tensor's bytes to be taken as unchanged: its storage,
-    view and version counter as ``snapshot()`` recorded it; None if that is unknown (no
-    recorded version), the tensor is a copy taken at ``snapshot()`` (the eager policy: a
-    new tensor every time, whose counter says nothing about the state's own), or it is
-    trainable (``requires_grad``)."""
-    t = ref.tensor
-    if ref.version is None or ref.copied or t.requires_grad:
-        return None
-    return (
-        ref.key, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-        t.stride(), t.dtype, t.device, ref.version,
-    )
-
-
-def _prints(shard: ShardMeta, refs: Sequence[TensorRef]) -> tuple[tuple[Any, ...], ...] | None:
-    found = []
-    for seg in shard.segments:
-        p = _print(refs[seg.tensor])
-        if p is None:
-            return None
-        found.append((seg.tensor, seg.start, seg.stop, p))
-    return tuple(found)
 
 
 def _default_capture(options: CheckpointerOptions) -> CaptureBackend:

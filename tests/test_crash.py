@@ -119,16 +119,20 @@ async def test_kill_anywhere_keeps_the_last_commit(kind: str, tmp_path: Path) ->
 
 # the points where an incremental snapshot's references are at stake: its commit, the
 # retention that retires referenced steps and collects them, and a kill from outside
-INCREMENTAL_POINTS = [
-    p for p in POINTS if p.startswith(("file.", "tier.", "retention."))
-]
+def incremental_points(kind: str) -> list[str]:
+    """The points of the tier, the engine's tier calls and retention: those where references
+    are at stake (retiring, collecting, deleting) first, so a short run reaches them."""
+    first = ["file.delete.retired", "file.collect.before_remove", "zarr.delete_dir.before_remove",
+             "retention.before_delete", "file.delete.after_unlink"]
+    mine = [p for p in POINTS if p.startswith((f"{kind}.", "tier.", "retention."))]
+    return [p for p in first if p in mine] + [p for p in mine if p not in first]
 
 
-async def check_references(root: Path) -> list[int]:
-    """Open the file tier as a restarted writer would (sweeping what a crash left): every
+async def check_references(root: Path, kind: str) -> list[int]:
+    """Open the tier as a restarted writer would (sweeping what a crash left): every
     listed step restores bit for bit, and every step directory left on disk is listed or
     holds data a listed step refers to."""
-    tier = durable_tier(root, "file")
+    tier = durable_tier(root, kind)
     async with lazyckpt.Checkpointer([tier]) as ckpt:
         steps = await ckpt.steps()
         referred: set[int] = set()
@@ -138,37 +142,53 @@ async def check_references(root: Path) -> list[int]:
                 f"step {step} differs"
             )
     assert referred <= set(range(max(steps, default=0)))  # references go back in time
-    on_disk = {int(p.name[5:]) for p in (root / "file").glob("step-*")}
+    on_disk = {int(p.name[5:]) for p in (root / kind).glob("step-*")}
     assert on_disk <= set(steps) | referred, f"unreferenced data left: {on_disk - set(steps) - referred}"
     return steps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["1", "versions"])
-async def test_kill_anywhere_keeps_incremental_steps_whole(mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "mode"), [("file", "1"), ("file", "versions"), *([("zarr", "1")] if "zarr" in TIERS else [])]
+)
+async def test_kill_anywhere_keeps_incremental_steps_whole(
+    kind: str, mode: str, tmp_path: Path
+) -> None:
     """Incremental snapshots under kills: a committed step never refers to data that was
     deleted or half written, whatever the point of the kill (commit, retention's retiring
     and collecting, or a random moment), and nothing unreferenced survives a restart."""
     rng = random.Random(77)
     latest: int | None = None
     reached = 0
+    killed_at: Counter[str] = Counter()
     for trial in range(max(6, KILLS // 4)):
         env = dict(os.environ, LAZYCKPT_CHILD_INCREMENTAL=mode)
         kill_after = None
+        point = "random"
         if trial % 4 == 3:
             kill_after = rng.uniform(0.5, 3.0)
             env.pop("LAZYCKPT_CRASH_AT", None)
         else:
-            point = INCREMENTAL_POINTS[trial % len(INCREMENTAL_POINTS)]
-            env["LAZYCKPT_CRASH_AT"] = f"{point}:{rng.randint(1, 8)}"
+            points = incremental_points(kind)
+            point = points[trial % len(points)]
+            # a step is retired or collected about once per run of the child: at its first
+            nth = 1 if point.endswith(("retired", "before_remove")) else rng.randint(1, 3)
+            env["LAZYCKPT_CRASH_AT"] = f"{point}:{nth}"
         first = latest + 1 if latest is not None else 0
-        code = run_child(tmp_path, "file", first, env, kill_after, wait="committed")
+        code = run_child(tmp_path, kind, first, env, kill_after, wait="committed")
         reached += code != 0
-        steps = await check_references(tmp_path)
+        if code:
+            killed_at[point] += 1
+        steps = await check_references(tmp_path, kind)
         if latest is not None:
             assert steps and steps[-1] >= latest, "a committed step was lost"
         latest = steps[-1] if steps else latest
     assert reached >= 2  # most trials really were killed
+    # the kills that matter most here landed: while a step was retired or its data removed
+    assert killed_at["file.delete.retired"] + killed_at["zarr.delete_dir.before_remove"] >= 1
+    if kind == "file":
+        assert killed_at["file.collect.before_remove"] >= 1, killed_at
+    print(f"{kind}/{mode}: kills by point: {dict(killed_at)}")
 
 
 def test_sigkill_mid_flush_keeps_previous_step(tmp_path: Path) -> None:
@@ -403,6 +423,7 @@ def check_deepspeed(root: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # DeepSpeed compiles its CPU op at first use: minutes on a busy box
 def test_kill_under_deepspeed_latest_names_a_durable_tag(tmp_path: Path) -> None:
     """A DeepSpeed job checkpointing every step through LazyCheckpointEngine (both ``wait``
     modes), killed anywhere and restarted from ``latest``: ``latest`` always names a tag

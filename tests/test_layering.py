@@ -48,10 +48,15 @@ def test_public_names_are_exported() -> None:
 # inside functions and under TYPE_CHECKING count like any other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc"),
-    ("_dist", "_tree", "_manifest", "_options", "_state", "_arena", "_metrics", "_distributed"),
+    (
+        "_dist", "_tree_values", "_tree", "_manifest_entries", "_manifest_columns", "_manifest",
+        "_options", "_state", "_arena", "_metrics", "_distributed",
+    ),
     ("_tier", "tier", "_replica"),
-    ("_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_capture", "_cuda", "_restore", "_dtensor",
-     "_engine", "_preemption"),
+    (
+        "_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_incremental", "_capture",
+        "_cuda", "_restore", "_dtensor", "_engine", "_preemption",
+    ),
     ("", "_handle", "_core", "_checkpointer", "timeline"),
     (
         "cli",

@@ -17,7 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lazyckpt
-from lazyckpt import CorruptionError, LayoutOptions, LazyCkptError, Manifest, _manifest
+from lazyckpt import (
+    CorruptionError,
+    LayoutOptions,
+    LazyCkptError,
+    Manifest,
+    _manifest,
+)
 from lazyckpt._manifest import COMPACT_TENSORS, plan_layout
 from lazyckpt._tree import walk_state
 from lazyckpt.cli import main
@@ -247,3 +253,16 @@ def test_zarr_tier_keeps_columns_in_its_attributes(tmp_path: Path) -> None:
     assert all(torch.equal(restored["model"][k], v) for k, v in state["model"].items())
     attrs = json.loads((tmp_path / "z" / "step-000000000002" / "zarr.json").read_text())
     assert attrs["attributes"]["lazyckpt"]["manifest"]["format_version"] == 5
+
+
+def test_the_plan_text_travels_with_its_manifests_and_never_goes_stale() -> None:
+    m = _plan({f"t{i}": torch.zeros(300) for i in range(COMPACT_TENSORS)})
+    first = m.to_json()
+    again = m.with_checksums([1] * len(m.shards))
+    assert again.column_text is m.column_text  # encoded once per plan
+    assert json.loads(again.to_json())["shards"]["crc32c"] == [1] * len(m.shards)
+    # another manifest sharing the cache object but not the tuples encodes its own tensors
+    renamed = replace(m, tensors=tuple(replace(t, key="x" + t.key) for t in m.tensors))
+    assert renamed.column_text is m.column_text
+    assert Manifest.from_json(renamed.to_json()).tensors == renamed.tensors
+    assert Manifest.from_json(first).tensors == m.tensors

@@ -130,6 +130,17 @@ class HostMemoryTier(Tier):
     async def commit(self, manifest: Manifest) -> None:
         self._check_open()
         blocks = self._blocks.get(manifest.step, {})
+        if manifest.extra.get("incremental") and any(
+            s.index not in blocks for s in manifest.shards
+        ) and not any(b.freed for b in blocks.values()):
+            # incremental="versions" did not capture some shards: their bytes are only on
+            # the durable tiers, so this tier cannot hold the step whole
+            self.forget(manifest.step)
+            raise TierFullError(
+                f"step {manifest.step} is incremental and some of its shards were not "
+                "captured into host memory; it is not kept here (the durable tiers have it)",
+                tier=self.name,
+            )
         if len(blocks) != len(manifest.shards) or any(b.freed for b in blocks.values()):
             self.forget(manifest.step)
             raise TierFullError(

@@ -44,22 +44,22 @@ A rank with no replica anywhere (a fresh job) lists nothing here. ``aclose`` sto
 accepting connections and keeps serving the peers still connected for up to ``linger``
 seconds, so a rank that finished its restore early does not pull the replicas away from
 one still reading them.
+
+Here: the tier, its life cycle and the owner's side. The wire protocol (frames, the kinds
+of error a refusal carries) is in ``_peer_wire``; the holder's side, the replica server
+that answers the peers' requests, in ``_peer_holder`` (a base class of the tier).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import os
 import re
 import secrets
 import socket
-import struct
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +69,11 @@ from lazyckpt.tier import (
     ConfigurationError,
     CorruptionError,
     Exchange,
-    LazyCkptError,
     Manifest,
     ShardMeta,
     SnapshotNotFoundError,
-    Tier,
     TierBrokenError,
     TierClosedError,
-    TierFullError,
     TierLevel,
     backend_errors,
     node_identity,
@@ -84,24 +81,16 @@ from lazyckpt.tier import (
 )
 
 from ._file import FileTier
+from ._peer_holder import _ReplicaHolder
+from ._peer_wire import _ERRORS, _Conn, _own_address
 
 __all__ = ["PeerTier"]
 
 log = logging.getLogger("lazyckpt")
-
-_FRAME = struct.Struct("!IQ")  # header bytes, payload bytes: 12 bytes
-_MAX_HEADER = 1 << 16
-_MAX_PAYLOAD = 1 << 34  # a manifest or one shard; the real bound is checked per request
 _OWNER_DIR = re.compile(r"^rank-(\d{5})$")
-_ERRORS: dict[str, Callable[[str, str], LazyCkptError]] = {
-    "not_found": lambda msg, tier: SnapshotNotFoundError(msg),
-    "corrupt": lambda msg, tier: CorruptionError(msg),
-    "full": lambda msg, tier: TierFullError(msg, tier=tier),
-    "broken": lambda msg, tier: TierBrokenError(msg, tier=tier),
-}
 
 
-class PeerTier(Tier):
+class PeerTier(_ReplicaHolder):
     """Replicas of this rank's shards on ranks of other nodes (see the module docstring).
 
     Args:
@@ -507,224 +496,8 @@ class PeerTier(Tier):
             raise
         return conn
 
-    # -- the holder's side -----------------------------------------------------------------
-
-    async def _accept(self) -> None:
-        """Accept peers' connections until the tier closes; each is served by a task of its
-        own, which :meth:`aclose` waits for (or cancels after ``linger``)."""
-        assert self._listener is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(self._listener)
-            except OSError as exc:  # out of descriptors, say: keep the server up
-                log.warning("peer tier %s: accept failed: %s", self.name, exc)
-                await asyncio.sleep(0.1)
-                continue
-            task = loop.create_task(self._serve(_Conn(sock)), name=f"lazyckpt-{self.name}-serve")
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
-
-    async def _serve(self, conn: _Conn) -> None:
-        try:
-            header, size = await conn.receive_header()
-            if size or header.get("op") != "hello" or not hmac.compare_digest(
-                str(header.get("token", "")), self._token or secrets.token_hex(16)
-            ):
-                return  # not this job's: drop it without a word
-            await conn.send({"ok": True})
-            while True:
-                try:
-                    header, size = await conn.receive_header()
-                except EOFError:
-                    return  # the peer closed the connection
-                try:
-                    reply, data = await self._answer(header, size, conn)
-                except LazyCkptError as exc:
-                    reply, data = {"error": _kind(exc), "message": str(exc)}, b""
-                await conn.send(reply, data)
-        except (OSError, EOFError, ValueError) as exc:
-            log.debug("peer tier %s: connection ended: %r", self.name, exc)
-        finally:
-            conn.close()
-
-    def _store(self, owner: int, writing: bool) -> FileTier | None:
-        store = self._stores.get(owner)
-        if store is None and writing:
-            raise TierBrokenError(
-                f"rank {self.rank} holds no replicas of rank {owner} (placements differ? "
-                "every rank must give PeerTier the same replicas)",
-                tier=self.name,
-            )
-        return store
-
-    async def _answer(
-        self, header: dict[str, Any], size: int, conn: _Conn
-    ) -> tuple[dict[str, Any], bytes | bytearray]:
-        """Run one request of a peer on the replica store it names."""
-        op, owner, step = header.get("op"), int(header.get("owner", -1)), int(header.get("step", -1))
-        self.served[str(op)] = self.served.get(str(op), 0) + 1
-        key = (owner, step)
-        if op == "put":
-            store = self._store(owner, writing=True)
-            assert store is not None
-            manifest = self._writing.get(key)
-            index = int(header["index"])
-            if manifest is None or not 0 <= index < len(manifest.shards):
-                await conn.skip(size)
-                raise TierBrokenError(f"put of rank {owner}'s step {step} before its begin", tier=self.name)
-            shard = manifest.shards[index]
-            if size != shard.length:
-                await conn.skip(size)
-                raise TierBrokenError(f"shard {index} of rank {owner}: {size} bytes, not {shard.length}", tier=self.name)
-            data = await conn.receive(size)
-            if crc32c.crc32c(data) != header["crc32c"]:
-                raise CorruptionError(
-                    f"shard {index} of rank {owner}'s step {step} arrived damaged (checksum)"
-                )
-            await store.put_shard(manifest, replace(shard, crc32c=header["crc32c"]), memoryview(data))
-            return {"ok": True}, b""
-        if size > _MAX_HEADER * 1024:  # a manifest: large, but not a shard's size
-            await conn.skip(size)
-            raise TierBrokenError(f"request {op!r} with {size} bytes refused", tier=self.name)
-        payload = await conn.receive(size)
-        if op in ("begin", "commit"):
-            store = self._store(owner, writing=True)
-            assert store is not None
-            manifest = Manifest.from_json(bytes(payload), source=f"rank {owner}'s step {step}")
-            if manifest.rank != owner or manifest.step != step:
-                raise CorruptionError(f"rank {owner} sent rank {manifest.rank}'s step {manifest.step}")
-            if op == "begin":
-                await store.begin(manifest)
-            else:
-                await store.commit(manifest)
-            self._writing[key] = manifest
-            return {"ok": True}, b""
-        if op == "global":
-            store = self._store(owner, writing=True)
-            assert store is not None
-            await store.commit_global(step, int(header["world_size"]))
-            committed = self._writing.pop(key, None)
-            if committed is not None:
-                self._manifests[key] = committed
-            return {"ok": True}, b""
-        store = self._store(owner, writing=False)
-        if op == "abort":
-            self._writing.pop(key, None)
-            if store is not None:
-                await store.abort(step)
-            return {"ok": True}, b""
-        if op == "delete":
-            self._manifests.pop(key, None)
-            self._writing.pop(key, None)
-            if store is not None:
-                await store.delete(step)
-            return {"ok": True}, b""
-        if op == "steps":
-            return {"steps": await store.steps() if store is not None else []}, b""
-        if op not in ("manifest", "read"):
-            raise TierBrokenError(f"unknown request {op!r}", tier=self.name)
-        if store is None:
-            raise SnapshotNotFoundError(f"rank {self.rank} holds no replica of rank {owner}")
-        manifest = self._writing.get(key) or self._manifests.get(key)
-        if manifest is None:
-            manifest = await store.read_rank_manifest(step, owner)
-            self._manifests[key] = manifest
-            while len(self._manifests) > 64:
-                self._manifests.pop(next(iter(self._manifests)))
-        if op == "manifest":
-            return {"ok": True}, manifest.to_json()
-        index = int(header["index"])
-        if not 0 <= index < len(manifest.shards):
-            raise CorruptionError(f"rank {owner}'s step {step} has no shard {index}")
-        shard = manifest.shards[index]
-        out = bytearray(shard.length)
-        await store.read_shard(manifest, shard, memoryview(out))
-        return {"ok": True}, out
-
-
-def _kind(exc: LazyCkptError) -> str:
-    if isinstance(exc, SnapshotNotFoundError):
-        return "not_found"
-    if isinstance(exc, CorruptionError):
-        return "corrupt"
-    if isinstance(exc, TierFullError):
-        return "full"
-    return "broken"
-
-
-class _Conn:
-    """One TCP connection, driven with the loop's ``sock_*`` calls. Frames are a 12-byte
-    prefix (header bytes, payload bytes), a JSON header, then the payload."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        with contextlib.suppress(OSError):  # requests are small and answered at once
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
-        self.closed = False
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.sock.close()
-
-    async def send(self, header: dict[str, Any], payload: Any = b"") -> None:
-        loop = asyncio.get_running_loop()
-        doc = json.dumps(header).encode()
-        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
-        await loop.sock_sendall(self.sock, _FRAME.pack(len(doc), size) + doc)
-        if size:
-            await loop.sock_sendall(self.sock, payload)
-
-    async def receive_into(self, view: memoryview | bytearray) -> None:
-        """Fill ``view`` exactly; EOFError if the peer closes first."""
-        loop = asyncio.get_running_loop()
-        view = memoryview(view).cast("B")
-        done = 0
-        while done < len(view):
-            n = await loop.sock_recv_into(self.sock, view[done:])
-            if n == 0:
-                raise EOFError(f"connection closed after {done} of {len(view)} bytes")
-            done += n
-
-    async def receive(self, size: int) -> bytearray:
-        buf = bytearray(size)
-        if size:
-            await self.receive_into(buf)
-        return buf
-
-    async def receive_header(self) -> tuple[dict[str, Any], int]:
-        n, size = _FRAME.unpack(await self.receive(_FRAME.size))
-        if n > _MAX_HEADER or size > _MAX_PAYLOAD:
-            raise ValueError(f"a frame of {n} + {size} bytes is not lazyckpt's peer protocol")
-        header = json.loads(await self.receive(n))
-        if not isinstance(header, dict):
-            raise ValueError("a frame whose header is not a JSON object")
-        return header, size
-
-    async def skip(self, size: int) -> None:
-        """Read and drop a payload the request may not have, keeping the connection in step."""
-        while size:
-            size -= len(await self.receive(min(size, 1 << 20)))
-
 
 def _owner_dirs(root: Path) -> set[int]:
     if not root.is_dir():
         return set()
     return {int(m.group(1)) for p in root.iterdir() if (m := _OWNER_DIR.match(p.name)) and p.is_dir()}
-
-
-def _own_address() -> str:
-    """The address of this host that reaches ``MASTER_ADDR`` (a UDP socket's route: no
-    packet is sent); else the host name's address."""
-    master = os.environ.get("MASTER_ADDR")
-    if master:
-        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-            return str(s.getsockname()[0])
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-

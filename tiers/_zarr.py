@@ -418,6 +418,12 @@ class ZarrTier(ZarrLocation):
 
     # -- incremental snapshots (SupportsReferences) ------------------------------------------
 
+    async def _open_for_writing(self) -> None:
+        await super()._open_for_writing()
+        if self._committer and self._retired(await self._read_root()):
+            # retired steps whose last referrer was deleted just before a crash
+            await self.collect()
+
     async def collect(self, keep: Collection[int] = ()) -> list[int]:
         """Remove every retired step that no committed step refers to and that is not in
         ``keep``: its objects first, then its entry in the retired list (a crash between

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
 
+from lazyckpt import CorruptionError
 from lazyckpt.testing import TierTests
 from lazyckpt.tier import Block, Manifest, ShardMeta, Tier
 from tiers import FileTier, HostMemoryTier
@@ -139,3 +140,32 @@ class _HostSuite(TierTests):
 async def test_a_wrong_block_read_fails(cls: type[HostMemoryTier]) -> None:
     with pytest.raises(AssertionError):
         await _HostSuite().test_block_read(lambda: cls(8 << 20))
+
+
+class _DeletesReferredData(FileTier):
+    def _referenced_sync(self) -> set[int] | None:
+        return set()  # deleting a step removes its data, whatever refers to it
+
+
+class _IgnoresReferences(FileTier):
+    async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+        from dataclasses import replace
+
+        await super().read_shard(manifest, replace(shard, stored_in=None), out)
+
+
+class _CollectsWhatIsKept(FileTier):
+    async def collect(self, keep: Collection[int] = ()) -> list[int]:
+        return await super().collect(())  # ignores what flights in flight still need
+
+
+@pytest.mark.parametrize("cls", [_DeletesReferredData, _IgnoresReferences, _CollectsWhatIsKept])
+async def test_a_tier_that_loses_referred_data_fails(cls: type[FileTier], tmp_path: Path) -> None:
+    suite = _FileSuite(tmp_path / "ckpt")
+    with pytest.raises((AssertionError, CorruptionError)):
+        await suite.test_references_read_and_retention(lambda: cls(suite.root))
+
+
+async def test_the_file_tier_passes_the_same_reference_check(tmp_path: Path) -> None:
+    suite = _FileSuite(tmp_path / "ckpt")
+    await suite.test_references_read_and_retention(lambda: FileTier(suite.root))

@@ -40,18 +40,23 @@ def state_of(step: int) -> dict[str, Any]:
     }
 
 
-_FROZEN: dict[str, torch.Tensor] = {}
+_FROZEN: dict[int, dict[str, torch.Tensor]] = {}
+PHASE = 4  # the frozen weights change every PHASE steps (a new stage of the fine-tune)
 
 
 def incremental_state_of(step: int) -> dict[str, Any]:
-    """A fine-tune's state at ``step``: frozen weights (the same tensor objects in every
-    step of a process, the same bytes in every process) and adapters that change."""
-    if not _FROZEN:
-        g = torch.Generator().manual_seed(4242)
-        _FROZEN.update({f"layer{i}": torch.randn(256, 192, generator=g) for i in range(3)})
+    """A fine-tune's state at ``step``: frozen weights, the same tensor objects for the
+    steps of one phase in a process (the same bytes in every process), and adapters that
+    change at every step. Every PHASE steps the frozen weights change, so the step that
+    wrote the old ones is eventually referred to by nobody and its data collected."""
+    phase = step // PHASE
+    if phase not in _FROZEN:
+        _FROZEN.clear()
+        g = torch.Generator().manual_seed(4242 + phase)
+        _FROZEN[phase] = {f"layer{i}": torch.randn(256, 192, generator=g) for i in range(3)}
     g = torch.Generator().manual_seed(step)
     return {
-        "base": dict(_FROZEN),
+        "base": dict(_FROZEN[phase]),
         "adapter": {"a": torch.randn(64, 32, generator=g), "b": torch.randn(32, 64, generator=g)},
         "optim": {"exp_avg": torch.randn(300, 100, generator=g), "step": step},
         "step": step,
