@@ -58,7 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_cuda", "_restore_into", "_restore_keys", "_verify_step", "_restore", "_dtensor",
         "_engine", "_preemption",
     ),
-    ("", "_handle", "_core", "_checkpointer", "timeline"),
+    ("", "_handle", "_core_steps", "_core_lifecycle", "_core", "_checkpointer", "timeline"),
     (
         "cli",
         "cli._status",
