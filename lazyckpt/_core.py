@@ -37,6 +37,7 @@ from ._options import CheckpointerOptions
 from ._preemption import PreemptionHandler
 from ._tier import Tier
 from ._tree import KeyCache, TensorRef, walk_state
+from ._tree_values import has_tag
 
 __all__ = ["_Core", "captures_done", "make_core"]
 
@@ -221,7 +222,7 @@ class _Core(_StepOps, _Lifecycle):
             tuple([r.alias_of for r in refs]),
             tuple([r.dist for r in refs]),
         )
-        pickled = self.options.allow_pickle and "$pickle" in _tags(tree)
+        pickled = self.options.allow_pickle and has_tag(tree, "$pickle")
         cached = self._plan_cache
         if cached is not None and cached[0] == signature:
             fresh = replace(cached[1], step=step, tree=tree, pickled=pickled, created=time.time())
@@ -299,20 +300,6 @@ class _Core(_StepOps, _Lifecycle):
         handle = opt.register_step_pre_hook(hook)
         self._guards.append((opt, handle))
         return handle
-
-
-
-def _tags(tree: Any) -> set[str]:
-    found: set[str] = set()
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            found.update(node)
-            stack.extend(node.values())
-    return found
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:
