@@ -9,32 +9,28 @@ Bytes go straight into the destination tensor when it is a contiguous CPU tensor
 ``into=`` target or a new tensor); otherwise through a temporary buffer and ``copy_``.
 
 An ``into=`` target is checked against the snapshot before any byte is read
-(:func:`align_into`): a key the target has and the snapshot lacks, or a module whose
-state-dict keys differ, raises :class:`StateMismatchError`, except that the key prefixes
-wrappers add (``_orig_mod.`` from ``torch.compile``, ``module.`` from DDP) are mapped, so a
-compiled model's snapshot restores into the plain model and back.
+(:func:`align_into`, in ``_restore_keys``: wrapper prefixes are mapped there) and the
+restored state is loaded into it at the end (:func:`apply_into`, in ``_restore_into``).
+Verifying a step without restoring it is ``_verify_step``. The names of those modules stay
+importable from here.
 """
+
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import dataclasses
-import random
 import warnings
 from collections.abc import (
     Awaitable,
     Callable,
     Collection,
-    Hashable,
     Mapping,
     MutableMapping,
     Sequence,
 )
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 import torch
 
 from ._cuda.restore import restore_into
@@ -42,7 +38,6 @@ from ._errors import (
     ConfigurationError,
     CorruptionError,
     SnapshotNotFoundError,
-    StateMismatchError,
     TierError,
     first_error,
 )
@@ -51,23 +46,16 @@ from ._fetch import (
     byte_view,
     committed_steps,
     find_step,
-    read_copy,
     read_verified,
-    shard_keys,
     thread_checksum,
 )
 from ._gc import collector_paused
 from ._manifest import Manifest, ShardMeta, TensorMeta
+from ._restore_into import _mismatch, apply_into
+from ._restore_keys import WRAPPER_PREFIXES, align_into, strip_prefix
 from ._tier import Tier
-from ._tree import (
-    JSON,
-    DataclassValue,
-    Stateful,
-    StatefulValue,
-    _escape,
-    decode_tree,
-    walk_state,
-)
+from ._tree import _escape, decode_tree, walk_state
+from ._verify_step import VerifyReport, verify_step
 
 __all__ = [
     "WRAPPER_PREFIXES",
@@ -81,35 +69,6 @@ __all__ = [
     "strip_prefix",
     "verify_step",
 ]
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-# What wrappers put in front of a module's state-dict keys: torch.compile's OptimizedModule
-# and DistributedDataParallel / DataParallel. restore(into=...) maps them when that is the
-# only difference between the target's keys and the snapshot's.
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-
-
-def strip_prefix(state: Mapping[K, V], prefix: str) -> dict[K, V]:
-    """A copy of ``state`` with ``prefix`` taken off every string key that starts with it.
-
-    For a state dict restored without ``into=`` from a compiled model's snapshot::
-
-        model.load_state_dict(lazyckpt.strip_prefix(state["model"], "_orig_mod."))
-
-    Only the top-level keys are renamed; values are the same objects. Raises
-    :class:`ConfigurationError` when two keys would become one.
-    """
-    out: dict[Any, V] = {}
-    for k, v in state.items():
-        new: Any = k[len(prefix) :] if isinstance(k, str) and k.startswith(prefix) else k
-        if new in out:
-            raise ConfigurationError(
-                f"strip_prefix({prefix!r}): {k!r} and another key both become {new!r}"
-            )
-        out[new] = v
-    return out
 
 
 async def read_manifest(
@@ -386,308 +345,3 @@ def _finish_some(dests: _Destinations, out: list[Any], indices: Collection[int])
         elif dests.device is not None and dests.device != final.device:
             final = final.to(dests.device)
         out[i] = dests.wrappers.get(i, final)
-
-
-def apply_into(into: Any, restored: Any, key: str = "") -> None:
-    """Load ``restored`` into ``into`` in place: tensors were already copied into; Stateful
-    objects get ``load_state_dict``; generators get their state; dataclass instances their
-    fields; other values of a mutable mapping are replaced.
-
-    Every key is checked first (:class:`StateMismatchError`), so a mismatch changes nothing.
-    """
-    _check_keys(into, restored, key)
-    if not _load(into, restored, key):
-        raise ConfigurationError(
-            f"cannot restore into {type(into).__qualname__} at {key or '<root>'!r}; "
-            "into= takes a mutable mapping of tensors, Stateful objects and values"
-        )
-
-
-def _stateful(obj: Any) -> bool:
-    """A Stateful object that is not a mapping (a module, an optimizer). Plain dicts and
-    tensors are answered at once: the Protocol's isinstance is slow, and it would be asked
-    once per container and per tensor (``docs/design.md``, "Figures behind choices in the
-    code")."""
-    if type(obj) in _NEVER_STATEFUL or obj is None:
-        return False
-    return isinstance(obj, Stateful) and not isinstance(obj, Mapping)
-
-
-_NEVER_STATEFUL = (dict, list, tuple, torch.Tensor, torch.nn.Parameter, str, int, float, bool)
-
-
-def _is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
-def _mismatch(key: str, what: str, missing: list[Any], unexpected: list[Any]) -> StateMismatchError:
-    where = repr(key) if key else "the top level"
-    parts = []
-    if missing:
-        parts.append(f"missing from the snapshot: {_names(missing)}")
-    if unexpected:
-        parts.append(f"in the snapshot but not in the target: {_names(unexpected)}")
-    return StateMismatchError(
-        f"restore(into=...): the keys of {what} at {where} do not match the snapshot's ("
-        + "; ".join(parts)
-        + "). Rename the target's keys to the snapshot's (lazyckpt inspect lists them), or "
-        "restore without into= and load what you need.",
-        key=key,
-        missing=missing,
-        unexpected=unexpected,
-    )
-
-
-def _names(keys: list[Any]) -> str:
-    shown = ", ".join(repr(k) for k in keys[:8])
-    return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-
-
-def _check_keys(into: Any, restored: Any, key: str) -> None:
-    """Raise :class:`StateMismatchError` where ``into`` wants what ``restored`` lacks."""
-    if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
-        return
-    if isinstance(into, torch.nn.Module) and isinstance(restored, Mapping):
-        want = list(into.state_dict().keys())
-        want_set = set(want)  # once, not per key
-        missing = [k for k in want if k not in restored]
-        unexpected = [k for k in restored if k not in want_set]
-        if missing or unexpected:
-            raise _mismatch(key, f"module {type(into).__qualname__}", missing, unexpected)
-    elif _stateful(into):
-        return  # its own load_state_dict decides what it accepts
-    elif isinstance(into, MutableMapping) and isinstance(restored, Mapping):
-        missing = [k for k in into if k not in restored]
-        if missing:
-            unexpected = [k for k in restored if k not in into]
-            raise _mismatch(key, "the mapping", missing, unexpected)
-        for k in into:
-            _check_keys(into[k], restored[k], _join(key, k))
-    elif _is_dataclass_instance(into) and isinstance(restored, DataclassValue):
-        names = [f.name for f in dataclasses.fields(into)]
-        names_set = set(names)
-        missing = [n for n in names if n not in restored]
-        unexpected = [n for n in restored if n not in names_set]
-        if missing or unexpected:
-            raise _mismatch(key, f"dataclass {type(into).__qualname__}", missing, unexpected)
-        for n in names:
-            _check_keys(getattr(into, n), restored[n], _join(key, n))
-
-
-def _join(key: str, k: Any) -> str:
-    return f"{key}/{k}" if key else str(k)
-
-
-def _load(current: Any, value: Any, key: str) -> bool:
-    """Load ``value`` into the live object ``current`` in place; False when ``current`` is
-    not something that loads in place (the caller then replaces it with ``value``)."""
-    if isinstance(current, torch.Tensor):
-        if isinstance(value, torch.Tensor) and value is not current:
-            current.copy_(value)
-        return isinstance(value, torch.Tensor)
-    if _stateful(current):
-        current.load_state_dict(dict(value) if isinstance(value, StatefulValue) else value)
-        return True
-    if isinstance(current, MutableMapping) and isinstance(value, Mapping):
-        for k, v in value.items():
-            if k not in current or not _load(current[k], v, _join(key, k)):
-                current[k] = _plain(v)
-        return True
-    if _is_dataclass_instance(current) and isinstance(value, DataclassValue):
-        for name, v in value.items():
-            if not _load(getattr(current, name), v, _join(key, name)):
-                try:
-                    setattr(current, name, _plain(v))
-                except dataclasses.FrozenInstanceError:
-                    raise ConfigurationError(
-                        f"restore(into=...): {type(current).__qualname__} at {key!r} is a "
-                        f"frozen dataclass, so its field {name!r} cannot be loaded in place; "
-                        "restore without into= and build a new instance from the fields"
-                    ) from None
-        return True
-    if isinstance(current, torch.Generator) and isinstance(value, torch.Generator):
-        current.set_state(value.get_state())
-        return True
-    if isinstance(current, np.random.Generator) and isinstance(value, np.random.Generator):
-        if type(current.bit_generator) is not type(value.bit_generator):
-            return False  # another algorithm: the restored generator replaces it
-        current.bit_generator.state = value.bit_generator.state
-        return True
-    if isinstance(current, np.random.RandomState) and isinstance(value, np.random.RandomState):
-        current.set_state(value.get_state(legacy=False))
-        return True
-    if type(current) is random.Random and type(value) is random.Random:
-        current.setstate(value.getstate())
-        return True
-    if (
-        type(current) is np.ndarray
-        and type(value) is np.ndarray
-        and current.shape == value.shape
-        and current.dtype == value.dtype
-        and current.flags.writeable
-    ):
-        np.copyto(current, value)
-        return True
-    return False
-
-
-def _plain(value: Any) -> Any:
-    # lazyckpt's marker types stay inside the restore; what lands in a target is a dict
-    if isinstance(value, StatefulValue | DataclassValue):
-        return dict(value)
-    return value
-
-
-def align_into(manifest: Manifest, into: Any, *, rename: bool = True) -> Manifest:
-    """Check the keys of an ``into=`` target against ``manifest`` before anything is read,
-    and map wrapper prefixes (:data:`WRAPPER_PREFIXES`) where that is the only difference.
-
-    Returns the manifest itself when nothing is renamed, else a copy whose tree and tensor
-    keys use the target's names. Raises :class:`StateMismatchError` on other differences,
-    and on prefix differences too when ``rename`` is false (a resharding restore, which
-    matches other ranks' manifests by the saved keys).
-    """
-    if into is None:
-        return manifest
-    renames: dict[str, str] = {}
-    tree = _align(manifest.tree, into, "", renames if rename else None)
-    if not renames:
-        return manifest
-    tensors = tuple(_renamed(meta, renames) for meta in manifest.tensors)
-    return replace(manifest, tree=tree, tensors=tensors)
-
-
-def _renamed(meta: TensorMeta, renames: dict[str, str]) -> TensorMeta:
-    key = meta.key
-    cut = len(key)
-    while cut > 0:  # the key itself, then each enclosing path
-        new = renames.get(key[:cut])
-        if new is not None:
-            return replace(meta, key=new + key[cut:])
-        cut = key.rfind("/", 0, cut)
-    return meta
-
-
-def _items(node: JSON) -> tuple[list[Any], bool] | None:
-    """The ``[key, value]`` items of a mapping node, and whether it is a Stateful's."""
-    stateful = isinstance(node, dict) and len(node) == 1 and "$stateful" in node
-    inner = node["$stateful"] if stateful else node
-    if isinstance(inner, dict) and len(inner) == 1 and isinstance(inner.get("$dict"), list):
-        return inner["$dict"], stateful
-    return None
-
-
-def _key_of(node: JSON) -> Any:
-    return node if isinstance(node, str) else decode_tree(node, [], allow_pickle=False)
-
-
-# The whole prefixes a module's keys may carry: compiled, wrapped in DDP, or both (in either
-# order: DDP(torch.compile(m)) or torch.compile(DDP(m))).
-_PREFIX_CHAINS = ("", *WRAPPER_PREFIXES, "module._orig_mod.", "_orig_mod.module.")
-
-
-def _prefix_map(have: list[Any], want: list[Any]) -> dict[Any, Any] | None:
-    """How to rename keys of ``have`` (the snapshot's) so that every key of ``want`` is there,
-    when one wrapper prefix in front of all of them is the difference; None when that is
-    not so, or when two different prefixes would both fit."""
-    if not all(isinstance(k, str) for k in (*have, *want)):
-        return None
-    have_set, want_set = set(have), set(want)
-    found: dict[Any, Any] | None = None
-    for saved in _PREFIX_CHAINS:
-        for wanted in _PREFIX_CHAINS:
-            if saved == wanted or not all(w.startswith(wanted) for w in want):
-                continue
-            mapping = {saved + w[len(wanted) :]: w for w in want}
-            # a name taken by a key that stays as it is would then be there twice
-            clash = any(k in want_set and k not in mapping for k in have)
-            if mapping.keys() <= have_set and not clash:
-                if found is not None and found != mapping:
-                    return None
-                found = mapping
-    return found
-
-
-def _align(node: JSON, into: Any, path: str, renames: dict[str, str] | None) -> JSON:
-    if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
-        return node
-    module = isinstance(into, torch.nn.Module)
-    if module or (isinstance(into, MutableMapping) and not _stateful(into)):
-        found = _items(node)
-        if found is None:
-            return node
-        items, stateful = found
-        have = [_key_of(k) for k, _ in items]
-        want = list(into.state_dict().keys() if module else into.keys())
-        if not set(want) <= set(have) or (module and set(have) != set(want)):
-            mapping = _prefix_map(have, want) if renames is not None else None
-            if mapping is not None and renames is not None:
-                for old, new in mapping.items():
-                    renames[_child(path, old)] = _child(path, new)
-                items = [[mapping.get(k, k), v] for k, (_, v) in zip(have, items, strict=True)]
-                have = [mapping.get(k, k) for k in have]
-        have_set, want_set = set(have), set(want)  # once: per element they made this O(n²)
-        missing = [k for k in want if k not in have_set]
-        unexpected = [k for k in have if k not in want_set]
-        if missing or (module and unexpected):
-            what = f"module {type(into).__qualname__}" if module else "the mapping"
-            raise _mismatch(path, what, missing, unexpected)
-        if not module:
-            items = [
-                [k_node, _align(v, into[k], _child(path, k), renames) if k in into else v]
-                for k, (k_node, v) in zip(have, items, strict=True)
-            ]
-        inner = {"$dict": items}
-        return {"$stateful": inner} if stateful else inner
-    return node
-
-
-def _child(path: str, k: Any) -> str:
-    part = _escape(str(k))
-    return f"{path}/{part}" if path else part
-
-
-@dataclass
-class VerifyReport:
-    """What :meth:`Checkpointer.verify` found: per tier, the problems with one step.
-
-    ``problems[tier]`` is empty when every shard of the step on that tier matched its
-    checksum. ``ok`` is true when at least one tier holds a complete good copy.
-    """
-
-    step: int
-    problems: dict[str, list[str]] = field(default_factory=dict)
-    shards: int = 0
-    bytes: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return any(not p for p in self.problems.values())
-
-    @property
-    def damaged_tiers(self) -> list[str]:
-        return [name for name, p in self.problems.items() if p]
-
-
-async def verify_step(
-    tiers: Sequence[Tier], step: int | None, *, checksum: Checksum = thread_checksum
-) -> VerifyReport:
-    """Read every shard of ``step`` on every tier that lists it and check its crc32c."""
-    step, holders = await find_step(tiers, step)
-    report = VerifyReport(step)
-    for tier in holders:
-        problems = report.problems.setdefault(tier.name, [])
-        try:
-            manifest = await tier.read_manifest(step)
-        except (CorruptionError, TierError, SnapshotNotFoundError) as exc:
-            problems.append(f"manifest: {exc}")
-            continue
-        report.shards = len(manifest.shards)
-        report.bytes = sum(s.length for s in manifest.shards)
-        for shard in manifest.shards:
-            out = memoryview(bytearray(shard.length))
-            try:
-                await read_copy(manifest, shard, tier, out, checksum=checksum)
-            except (CorruptionError, TierError) as exc:
-                problems.append(f"shard {shard.index} ({shard_keys(manifest, shard)}): {exc}")
-    return report

@@ -56,6 +56,7 @@ __all__ = [
     "decode_tree",
     "dtype_from_name",
     "dtype_name",
+    "has_tag",
 ]
 
 JSON = Any  # a JSON-compatible value; kept loose because JSON is recursive
@@ -66,6 +67,21 @@ for _name in ["float64", "float32", "float16", "bfloat16", "complex128", "comple
     if isinstance(_dt, torch.dtype):
         _DTYPES[_name] = _dt
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def has_tag(tree: JSON, tag: str) -> bool:
+    """Whether a tagged-JSON value tree holds a node tagged ``tag`` (``"$pickle"``,
+    ``"$tensor"``, ...) anywhere; iterative, so a deep tree cannot exhaust the stack."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if tag in node:
+                return True
+            stack.extend(node.values())
+    return False
 
 
 def dtype_name(dtype: torch.dtype) -> str:

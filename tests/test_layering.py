@@ -55,9 +55,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_tier", "tier", "_replica"),
     (
         "_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_incremental", "_capture",
-        "_cuda", "_restore", "_dtensor", "_engine", "_preemption",
+        "_cuda", "_restore_into", "_restore_keys", "_verify_step", "_restore", "_dtensor",
+        "_engine", "_preemption",
     ),
-    ("", "_handle", "_core", "_checkpointer", "timeline"),
+    ("", "_handle", "_core_steps", "_core_lifecycle", "_core", "_checkpointer", "timeline"),
     (
         "cli",
         "cli._status",

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import lazyckpt
 from lazyckpt import ConfigurationError, LayoutOptions, StateMismatchError, UnsupportedStateError
 from lazyckpt._manifest import plan_layout
-from lazyckpt._restore import _prefix_map, align_into
+from lazyckpt._restore import align_into
+from lazyckpt._restore_keys import _prefix_map
 from lazyckpt._tree import INLINE_ARRAY_BYTES, DataclassValue, walk_state
 from tiers import FileTier, HostMemoryTier
 

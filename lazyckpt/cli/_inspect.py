@@ -13,9 +13,9 @@ from .._errors import CorruptionError, LazyCkptError, first_error
 from .._manifest import Manifest
 from .._progress import Progress, format_bytes
 from .._tree import JSON, decode_tree
+from .._tree_values import has_tag
 from ._console import Console, iso_time, local_time, table
 from ._location import opened, pick_steps
-from ._read import has_tag
 from ._status import EXIT_DAMAGE, EXIT_OK
 
 # manifests ``ls`` reads at once

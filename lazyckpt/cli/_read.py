@@ -13,7 +13,6 @@ from .._errors import CorruptionError
 from .._fetch import read_copy
 from .._manifest import Manifest, ShardMeta
 from .._tier import Tier
-from .._tree import JSON
 
 
 @dataclass
@@ -134,17 +133,3 @@ def damage_keys(manifest: Manifest, shard: ShardMeta) -> list[str]:
         t.key for t in manifest.tensors for seg in shard.segments if t.alias_of == seg.tensor
     )
     return sorted(keys)
-
-
-def has_tag(tree: JSON, tag: str) -> bool:
-    """Whether a tagged-JSON tree holds a node tagged ``tag`` anywhere."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if tag in node:
-                return True
-            stack.extend(node.values())
-    return False

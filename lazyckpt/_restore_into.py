@@ -1,0 +1,172 @@
+"""Loading restored state into live objects: ``restore(into=...)``'s last step.
+
+Tensors were already filled in place by the read; here Stateful objects get
+``load_state_dict``, generators their state, dataclass instances their fields, and plain
+values of a mutable mapping are replaced. Every key is checked before anything is loaded
+(:class:`StateMismatchError`), so a mismatch changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._errors import ConfigurationError, StateMismatchError
+from ._tree import DataclassValue, Stateful, StatefulValue
+
+__all__ = ["apply_into"]
+
+
+def apply_into(into: Any, restored: Any, key: str = "") -> None:
+    """Load ``restored`` into ``into`` in place: tensors were already copied into; Stateful
+    objects get ``load_state_dict``; generators get their state; dataclass instances their
+    fields; other values of a mutable mapping are replaced.
+
+    Every key is checked first (:class:`StateMismatchError`), so a mismatch changes nothing.
+    """
+    _check_keys(into, restored, key)
+    if not _load(into, restored, key):
+        raise ConfigurationError(
+            f"cannot restore into {type(into).__qualname__} at {key or '<root>'!r}; "
+            "into= takes a mutable mapping of tensors, Stateful objects and values"
+        )
+
+
+def _stateful(obj: Any) -> bool:
+    """A Stateful object that is not a mapping (a module, an optimizer). Plain dicts and
+    tensors are answered at once: the Protocol's isinstance is slow, and it would be asked
+    once per container and per tensor (``docs/design.md``, "Figures behind choices in the
+    code")."""
+    if type(obj) in _NEVER_STATEFUL or obj is None:
+        return False
+    return isinstance(obj, Stateful) and not isinstance(obj, Mapping)
+
+
+_NEVER_STATEFUL = (dict, list, tuple, torch.Tensor, torch.nn.Parameter, str, int, float, bool)
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _mismatch(key: str, what: str, missing: list[Any], unexpected: list[Any]) -> StateMismatchError:
+    where = repr(key) if key else "the top level"
+    parts = []
+    if missing:
+        parts.append(f"missing from the snapshot: {_names(missing)}")
+    if unexpected:
+        parts.append(f"in the snapshot but not in the target: {_names(unexpected)}")
+    return StateMismatchError(
+        f"restore(into=...): the keys of {what} at {where} do not match the snapshot's ("
+        + "; ".join(parts)
+        + "). Rename the target's keys to the snapshot's (lazyckpt inspect lists them), or "
+        "restore without into= and load what you need.",
+        key=key,
+        missing=missing,
+        unexpected=unexpected,
+    )
+
+
+def _names(keys: list[Any]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:8])
+    return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def _check_keys(into: Any, restored: Any, key: str) -> None:
+    """Raise :class:`StateMismatchError` where ``into`` wants what ``restored`` lacks."""
+    if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
+        return
+    if isinstance(into, torch.nn.Module) and isinstance(restored, Mapping):
+        want = list(into.state_dict().keys())
+        want_set = set(want)  # once, not per key
+        missing = [k for k in want if k not in restored]
+        unexpected = [k for k in restored if k not in want_set]
+        if missing or unexpected:
+            raise _mismatch(key, f"module {type(into).__qualname__}", missing, unexpected)
+    elif _stateful(into):
+        return  # its own load_state_dict decides what it accepts
+    elif isinstance(into, MutableMapping) and isinstance(restored, Mapping):
+        missing = [k for k in into if k not in restored]
+        if missing:
+            unexpected = [k for k in restored if k not in into]
+            raise _mismatch(key, "the mapping", missing, unexpected)
+        for k in into:
+            _check_keys(into[k], restored[k], _join(key, k))
+    elif _is_dataclass_instance(into) and isinstance(restored, DataclassValue):
+        names = [f.name for f in dataclasses.fields(into)]
+        names_set = set(names)
+        missing = [n for n in names if n not in restored]
+        unexpected = [n for n in restored if n not in names_set]
+        if missing or unexpected:
+            raise _mismatch(key, f"dataclass {type(into).__qualname__}", missing, unexpected)
+        for n in names:
+            _check_keys(getattr(into, n), restored[n], _join(key, n))
+
+
+def _join(key: str, k: Any) -> str:
+    return f"{key}/{k}" if key else str(k)
+
+
+def _load(current: Any, value: Any, key: str) -> bool:
+    """Load ``value`` into the live object ``current`` in place; False when ``current`` is
+    not something that loads in place (the caller then replaces it with ``value``)."""
+    if isinstance(current, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value is not current:
+            current.copy_(value)
+        return isinstance(value, torch.Tensor)
+    if _stateful(current):
+        current.load_state_dict(dict(value) if isinstance(value, StatefulValue) else value)
+        return True
+    if isinstance(current, MutableMapping) and isinstance(value, Mapping):
+        for k, v in value.items():
+            if k not in current or not _load(current[k], v, _join(key, k)):
+                current[k] = _plain(v)
+        return True
+    if _is_dataclass_instance(current) and isinstance(value, DataclassValue):
+        for name, v in value.items():
+            if not _load(getattr(current, name), v, _join(key, name)):
+                try:
+                    setattr(current, name, _plain(v))
+                except dataclasses.FrozenInstanceError:
+                    raise ConfigurationError(
+                        f"restore(into=...): {type(current).__qualname__} at {key!r} is a "
+                        f"frozen dataclass, so its field {name!r} cannot be loaded in place; "
+                        "restore without into= and build a new instance from the fields"
+                    ) from None
+        return True
+    if isinstance(current, torch.Generator) and isinstance(value, torch.Generator):
+        current.set_state(value.get_state())
+        return True
+    if isinstance(current, np.random.Generator) and isinstance(value, np.random.Generator):
+        if type(current.bit_generator) is not type(value.bit_generator):
+            return False  # another algorithm: the restored generator replaces it
+        current.bit_generator.state = value.bit_generator.state
+        return True
+    if isinstance(current, np.random.RandomState) and isinstance(value, np.random.RandomState):
+        current.set_state(value.get_state(legacy=False))
+        return True
+    if type(current) is random.Random and type(value) is random.Random:
+        current.setstate(value.getstate())
+        return True
+    if (
+        type(current) is np.ndarray
+        and type(value) is np.ndarray
+        and current.shape == value.shape
+        and current.dtype == value.dtype
+        and current.flags.writeable
+    ):
+        np.copyto(current, value)
+        return True
+    return False
+
+
+def _plain(value: Any) -> Any:
+    # lazyckpt's marker types stay inside the restore; what lands in a target is a dict
+    if isinstance(value, StatefulValue | DataclassValue):
+        return dict(value)
+    return value
