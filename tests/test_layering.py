@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_incremental", "_capture",
         "_cuda", "_restore_into", "_restore_keys", "_verify_step", "_restore", "_dtensor",
-        "_engine", "_preemption",
+        "_engine_flows", "_engine_commit", "_engine_records", "_engine", "_preemption",
     ),
     ("", "_handle", "_core_steps", "_core_lifecycle", "_core", "_checkpointer", "timeline"),
     (

@@ -1,0 +1,241 @@
+"""The engine's commits and what follows them: committing a flight's manifest on a stage,
+the ranks' agreement on each step (distributed runs), retention passes, deleting a step
+on a tier and collecting the data no step refers to any more (:class:`_Commits`, a part of
+``_engine.Engine``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
+
+from . import hooks
+from ._distributed import Coordinator
+from ._errors import ConfigurationError, LazyCkptError, TierBrokenError
+from ._flight import Flight
+from ._incremental import Increments
+from ._options import CheckpointerOptions
+from ._tier import SupportsGlobalCommit, SupportsReferences, Tier
+
+__all__ = ["_Commits"]
+
+log = logging.getLogger("lazyckpt")
+T = TypeVar("T")
+
+
+class _Commits:
+    """Commit, coordinate, retain and delete steps on the tiers (engine loop); ``Engine``
+    sets the attributes declared here."""
+
+    options: CheckpointerOptions
+    durable: list[Tier]
+    host: Tier | None
+    host_last: bool
+    increments: Increments
+    stage_names: list[str]
+    flights: dict[int, Flight]
+    protected: dict[int, int]
+    coordinator: Coordinator | None
+    world_size: int
+    _lock: threading.Lock
+    _unreported: list[LazyCkptError]
+    _tg: asyncio.TaskGroup | None
+    _queues: list[asyncio.Queue[Flight]]
+    _retention_locks: dict[int, asyncio.Lock]
+    _retention_queued: dict[int, bool]
+
+    if TYPE_CHECKING:  # defined by Engine and its other parts
+
+        def tier_of(self, stage: int) -> Tier: ...
+        def _fail(self, flight: Flight, stage: int, exc: Exception) -> None: ...
+        def _failed_at(self, flight: Flight, stage: int) -> bool: ...
+        async def _guarded(
+            self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
+        ) -> T: ...
+        def _record(self, flight: Flight) -> None: ...
+
+    async def _commit(self, flight: Flight, stage: int) -> None:
+        if self._failed_at(flight, stage):
+            return
+        tier = self.host if stage == 0 else self.tier_of(stage)
+        assert tier is not None
+        manifest = flight.manifest.with_checksums(flight.crcs)
+        if self.increments.digesting:
+            manifest = manifest.with_digests(flight.digests)
+            if stage > 0:
+                manifest = manifest.with_references(flight.stored_in[stage])
+        manifest = replace(manifest, extra={**manifest.extra, "tier": tier.describe()})
+        flight.committed_as[stage] = manifest
+        try:
+            hooks.point("tier.commit.before")
+            await self._guarded(stage, "commit", partial(tier.commit, manifest))
+            hooks.point("tier.commit.after")
+        except Exception as exc:
+            if stage == 0 and not self.host_last:  # a convenience copy: its loss fails nothing
+                log.info("host tier did not keep step %d: %s", flight.step, exc)
+                self._resolve(flight, 0)
+                return
+            self._fail(flight, stage, exc)
+            return
+        if stage > 0 and self.coordinator is not None:
+            flight.local_ok[stage] = True  # this rank's part; _coordinate decides the step
+            return
+        self.increments.new_base(flight, stage)
+        self._resolve(flight, stage)
+        self._retain(tier, stage)
+
+    def _retain(self, tier: Tier, stage: int) -> None:
+        if stage > 0 and (tier.retention.keep_last or tier.retention.keep_every):
+            if self._retention_queued[stage]:
+                return  # a pass that has not listed the steps yet will see this commit too
+            self._retention_queued[stage] = True
+            assert self._tg is not None
+            self._tg.create_task(self._apply_retention(tier, stage))
+
+    # -- distributed ------------------------------------------------------------------------
+
+    def _check_distributed(self) -> None:
+        if self.options.when_busy == "skip":
+            raise ConfigurationError(
+                'when_busy="skip" cannot be used with several ranks: ranks would skip '
+                "different steps; use the default, when_busy=\"wait\""
+            )
+        for t in self.durable:
+            if not isinstance(t, SupportsGlobalCommit):
+                raise ConfigurationError(
+                    f"{t!r} cannot hold snapshots of several ranks (no commit_global); "
+                    "use it in single-process runs only"
+                )
+
+    async def _coordinate(self, stage: int) -> None:
+        """Decide, with every other rank and in step order, whether each flight is
+        committed on this stage's tier (see ``_distributed``)."""
+        assert self.coordinator is not None
+        tier = self.tier_of(stage)
+        while True:
+            flight = await self._queues[stage].get()
+            try:
+                await flight.settled.wait()
+                ok = flight.local_ok[stage] and not self._failed_at(flight, stage)
+                oks = await self.coordinator.agree(stage, flight.step, ok)
+                wrote = False
+                if all(oks):
+                    try:
+                        await self._guarded(
+                            stage, "commit", partial(tier.commit_global, flight.step, self.world_size)  # type: ignore[attr-defined]
+                        )
+                        wrote = True
+                    except Exception as exc:
+                        self._fail(flight, stage, exc)
+                # once a commit record was attempted (a failed write may still have landed),
+                # a step that not every rank confirms is taken back, so no tier lists a step
+                # whose handles failed
+                try:
+                    done = await self.coordinator.agree(stage, flight.step, wrote)
+                except Exception:
+                    if all(oks):
+                        await self._uncommit(tier, stage, flight.step)
+                    raise
+                if all(done):
+                    self.increments.new_base(flight, stage)
+                    self._resolve(flight, stage)
+                    self._retain(tier, stage)
+                    continue
+                if all(oks):
+                    await self._uncommit(tier, stage, flight.step)
+                if ok:
+                    failed = [r for r, v in enumerate(oks if not all(oks) else done) if not v]
+                    self._fail(
+                        flight,
+                        stage,
+                        TierBrokenError(
+                            f"step {flight.step} not committed: rank(s) {failed} failed", tier=tier.name
+                        ),
+                    )
+            except Exception as exc:
+                self._fail(flight, stage, exc)
+            finally:
+                flight.coordinated[stage].set()
+
+    async def _uncommit(self, tier: Tier, stage: int, step: int) -> None:
+        """The ranks did not all confirm the commit record of ``step``: delete the step on
+        this tier, so that no tier lists a step whose handles failed (best effort; an
+        uncommitted leftover is swept at the next open)."""
+        try:
+            await self._guarded(stage, f"un-commit step {step}", partial(tier.delete, step), retry=False)
+        except Exception as exc:
+            log.warning(
+                "step %d: could not take back its commit on %s: %s", step, tier.name, exc,
+                extra={"step": step, "tier": tier.name},
+            )
+
+    def _resolve(self, flight: Flight, stage: int) -> None:
+        name = self.stage_names[stage]
+        flight.stats.reached_s[name] = time.perf_counter() - flight.t_submit
+        if stage == len(self.stage_names) - 1:  # before anyone waiting on it wakes up
+            self._record(flight)
+        fut = flight.reached[name]
+        if not fut.done():
+            fut.set_result(None)
+        log.debug("step %d reached %s", flight.step, name, extra={"step": flight.step, "tier": name})
+
+    async def _apply_retention(self, tier: Tier, stage: int) -> None:
+        """One retention pass on a tier. Passes run one at a time per tier, so no two delete
+        the same step at once, and each lists the steps only after every commit that asked
+        for it."""
+        try:
+            async with self._retention_locks[stage]:
+                self._retention_queued[stage] = False  # commits from now on need a new pass
+                committed = await self._guarded(stage, "list", tier.steps)
+                deleted = False
+                for step in tier.retention.to_delete(committed):
+                    # a step that flights in flight compare with stays until they are done
+                    if step in self.protected or step in self.flights or step in self.increments.pins[stage]:
+                        continue
+                    hooks.point("retention.before_delete")
+                    await self._delete(tier, stage, step)
+                    deleted = True
+                if deleted:
+                    await self._collect(tier, stage)
+        except Exception as exc:
+            log.warning("retention on %s failed: %s", tier.name, exc, extra={"tier": tier.name})
+            err = exc if isinstance(exc, LazyCkptError) else TierBrokenError(str(exc), tier=tier.name)
+            with self._lock:
+                self._unreported.append(err)
+
+    async def delete_on_tier(self, tier: Tier, stage: int, step: int) -> None:
+        """Delete ``step`` on one tier for ``Checkpointer.delete`` (engine loop): under the
+        tier's retention lock, so no retention pass deletes it at the same time or lists it
+        half deleted."""
+        if stage == 0:
+            await self._guarded(0, f"delete step {step}", partial(tier.delete, step))
+            return
+        async with self._retention_locks[stage]:
+            await self._delete(tier, stage, step)
+            await self._collect(tier, stage)
+
+    async def _delete(self, tier: Tier, stage: int, step: int) -> None:
+        """Delete a step on a durable tier (under its retention lock). No new flight takes
+        it for a base meanwhile, and the flights that compare with it finish first."""
+        removing = self.increments.removing[stage]
+        removing.add(step)
+        try:
+            for flight in list(self.flights.values()):
+                if any(s == stage and b.step == step for s, b in flight.pinned):
+                    await flight.done.wait()
+            await self._guarded(stage, f"delete step {step}", partial(tier.delete, step))
+        finally:
+            removing.discard(step)
+            base = self.increments.bases[stage]
+            if base is not None and base.step == step:
+                self.increments.bases[stage] = None
+
+    async def _collect(self, tier: Tier, stage: int) -> None:
+        if isinstance(tier, SupportsReferences):
+            keep = self.increments.in_use(stage, self.flights.values())
+            await self._guarded(stage, "collect unreferenced data", partial(tier.collect, keep))

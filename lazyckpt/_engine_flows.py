@@ -1,0 +1,345 @@
+"""The engine's host stage and each shard's way through the tiers: capture (one job per
+batch on the CPU path, one flow per shard otherwise), checksum, the host tier, then each
+durable tier in chain order, reading a shard evicted meanwhile back from the tier before
+(:class:`_Flows`, a part of ``_engine.Engine``; the module docstring of ``_engine`` tells
+the whole way)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
+
+from . import hooks
+from ._arena import Block, HostArena
+from ._capture import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
+from ._fetch import read_copy
+from ._flight import Flight
+from ._incremental import Increments
+from ._manifest import LayoutOptions, ShardMeta
+from ._state import Event, StateTable, advance
+from ._tier import SupportsStaging, Tier
+
+__all__ = ["_BATCH_BYTES", "_Flows"]
+
+T = TypeVar("T")
+# the bytes one CPU capture job copies (see Engine._batch_limit)
+_BATCH_BYTES = 64 << 20
+
+
+class _Flows:
+    """Capture, checksum and persist each shard of a flight (engine loop); ``Engine`` sets
+    the attributes declared here."""
+
+    arena: HostArena
+    capture: CaptureBackend
+    checksums: ChecksumPool
+    host: Tier | None
+    host_last: bool
+    increments: Increments
+    layout: LayoutOptions
+    stage_names: list[str]
+    staging: SupportsStaging | None
+    table: StateTable
+    tier_reused: dict[str, int]
+    _tier_sems: dict[int, asyncio.Semaphore]
+
+    if TYPE_CHECKING:  # defined by Engine and its other parts
+
+        def _durable_stages(self) -> range: ...
+        def tier_of(self, stage: int) -> Tier: ...
+        def _fail(self, flight: Flight, stage: int, exc: Exception) -> None: ...
+        def _failed_at(self, flight: Flight, stage: int) -> bool: ...
+        async def _guarded(
+            self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
+        ) -> T: ...
+        async def _commit(self, flight: Flight, stage: int) -> None: ...
+        def _resolve(self, flight: Flight, stage: int) -> None: ...
+        def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None: ...
+
+    # -- the host stage: capture, then checksum ---------------------------------------------
+    #
+    # A launch-bound training thread pays for every time a pipeline thread takes the
+    # interpreter lock, far more than for the bytes' work, which releases it (docs/design.md,
+    # "Staying out of the training thread's way"). So where the capture backend copies a
+    # batch of shards in one job (the CPU path), the shards that got their blocks together
+    # are copied by one pool job and checksummed by one more: the engine loop wakes once per
+    # batch for each, not once per shard. A backend without ``capture_batch`` (the CUDA
+    # path, whose copies complete one event at a time, or a test's wrapper) gets one flow
+    # per shard, as before.
+
+    def _batch_limit(self) -> int:
+        """The most bytes one capture job copies (0: one shard per flow). Large enough that
+        the per-job cost is paid a few times per snapshot, small enough that checksums and
+        writes start while later batches are still being copied."""
+        if not isinstance(self.capture, BatchCapture) or not isinstance(self.checksums, ChecksumPool):
+            return 0  # a stage that works one shard at a time (a test's stand-in)
+        return max(self.layout.shard_size, _BATCH_BYTES)
+
+    def _start_host_stage(
+        self, flight: Flight, tg: asyncio.TaskGroup, batch: list[tuple[int, Block]]
+    ) -> None:
+        for i, block in batch:
+            flight.blocks[i] = block
+        if self._batch_limit():
+            tg.create_task(self._batch_flow(flight, tg, batch))
+        else:  # then a batch is one shard
+            for i, block in batch:
+                tg.create_task(self._shard_flow(flight, i, flight.manifest.shards[i], block))
+
+    def _captured(self, flight: Flight, i: int) -> None:
+        flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+        hooks.point("capture.done")
+        flight.captured_count += 1
+        if flight.captured_count == len(flight.manifest.shards):
+            self._on_all_captured(flight)
+
+    def _capture_failed(
+        self, flight: Flight, batch: Sequence[tuple[int, Block]], exc: Exception
+    ) -> None:
+        self._fail(flight, 0, exc)
+        for i, block in batch:
+            self.arena.release(block)
+            flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
+
+    async def _shard_flow(self, flight: Flight, i: int, shard: ShardMeta, block: Block) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.capture.capture(CaptureJob(flight.manifest, shard, flight.refs, block))
+        except Exception as exc:
+            self._capture_failed(flight, [(i, block)], exc)
+            return
+        self._captured(flight, i)
+        digest = flight.hashing[i] if flight.hashing else False
+        await self._persist(flight, i, shard, block, self._checksum(flight, block, digest), t0)
+
+    async def _batch_flow(
+        self, flight: Flight, tg: asyncio.TaskGroup, batch: list[tuple[int, Block]]
+    ) -> None:
+        """Capture a batch of shards in one job, checksum it in one more, then start each
+        shard's way through the tiers."""
+        m = flight.manifest
+        t0 = time.perf_counter()
+        capture = self.capture
+        assert isinstance(capture, BatchCapture), "batches only for a batch-capable backend"
+        try:
+            await capture.capture_batch(
+                [CaptureJob(m, m.shards[i], flight.refs, block) for i, block in batch]
+            )
+        except Exception as exc:
+            self._capture_failed(flight, batch, exc)
+            return
+        handed = 0  # the blocks from here on belong to their shard's _persist
+        try:
+            for i, _ in batch:
+                self._captured(flight, i)
+            sums = await self._checksum_batch(flight, batch)
+            loop = asyncio.get_running_loop()
+            for k, (i, block) in enumerate(batch):
+                ready: asyncio.Future[tuple[int, str | None] | None] = loop.create_future()
+                ready.set_result(None if sums is None else sums[k])
+                tg.create_task(self._persist(flight, i, m.shards[i], block, ready, t0))
+                handed += 1
+        finally:
+            for _, block in batch[handed:]:  # cancelled before its shards were handed on
+                self.arena.release(block)
+                self.arena.discard(block)
+
+    async def _persist(
+        self,
+        flight: Flight,
+        i: int,
+        shard: ShardMeta,
+        block: Block,
+        sums_of: Awaitable[tuple[int, str | None] | None],
+        t0: float,
+    ) -> None:
+        """A captured shard: its checksum, the host tier, then each durable tier in turn."""
+        m = flight.manifest
+        # from here on this flow holds the block until a tier has it or the flow ends, however
+        # it ends (a failed checksum, an error, the task group cancelling it): the finally
+        # below gives it back
+        adopted: Block | None = None
+        holding = True
+        try:
+            sums = await sums_of
+            if sums is None:
+                flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
+                return
+            crc, flight.digests[i] = sums
+            flight.crcs[i] = crc
+            if self.increments.digesting:
+                self.increments.record_capture(flight, i)
+            flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
+            hooks.point("checksum.done")
+            shard = replace(shard, crc32c=crc)
+            self._count(0, shard.length, time.perf_counter() - t0)
+            if self.staging is not None:
+                self.staging.adopt(m, shard, block)
+                adopted = block if self.host is not None else None
+            flight.checksummed_count += 1
+            if flight.checksummed_count == len(m.shards):
+                await self._on_all_checksummed(flight)
+            for k in self._durable_stages():
+                tier = self.tier_of(k)
+                if not await flight.begun[k] or self._failed_at(flight, k):
+                    break
+                try:
+                    if self.increments.reuse(flight, k, i):
+                        # the tier holds these very bytes already: the manifest refers to them
+                        self.tier_reused[self.stage_names[k]] += shard.length
+                    else:
+                        # the turn on the tier first, then the block: a shard queued behind
+                        # a slow tier holds no arena space it does not need yet
+                        async with self._tier_sems[k]:
+                            if not holding:
+                                holding = self.arena.claim(block)
+                                if not holding:  # evicted: read it back from the previous tier
+                                    previous = k - 1  # the stage before: it holds the shard
+                                    block = await self._refetch(
+                                        flight,
+                                        replace(shard, stored_in=flight.stored_in[previous].get(i)),
+                                        previous,
+                                    )
+                                    holding = True
+                            t0 = time.perf_counter()
+                            data = block.memoryview()
+                            await self._guarded(
+                                k, f"put shard {i}", partial(tier.put_shard, m, shard, data)
+                            )
+                            self._count(k, shard.length, time.perf_counter() - t0)
+                        hooks.point("tier.put.done")
+                except Exception as exc:
+                    self._fail(flight, k, exc)
+                    break
+                flight.states[i] = advance(self.table, flight.states[i], Event.PERSISTED)
+                if k == 1:
+                    # durable now: the arena may reclaim it (the host tier keeps it meanwhile)
+                    self.arena.mark_evictable(block, self._host_evicted if adopted else None)
+                if holding:
+                    self._release(block, adopted)
+                holding = False
+                flight.persisted[k] += 1
+                if flight.persisted[k] == len(m.shards):
+                    await self._commit(flight, k)
+        finally:
+            if holding and adopted is not None and self.host_last:
+                flight.kept.append(block)  # held until the host tier commits the snapshot
+            elif holding:
+                self._release(block, adopted)
+            if adopted is None:  # nobody keeps staging blocks once the shard is through
+                self.arena.discard(block)
+
+    async def _checksum_batch(
+        self, flight: Flight, batch: Sequence[tuple[int, Block]]
+    ) -> list[tuple[int, str | None]] | None:
+        """:meth:`_checksum` of each block of a captured batch, in one pool job; None once
+        the snapshot failed."""
+        if self._failed_at(flight, 0):
+            return None
+        blocks = [block for _, block in batch]
+        digests = [bool(flight.hashing[i]) if flight.hashing else False for i, _ in batch]
+        stage = self.checksums
+        assert isinstance(stage, ChecksumPool), "batches only with a batch-capable stage"
+        try:
+            sums = await stage.checksums_many(blocks, digests)
+        except Exception as exc:
+            self._fail(flight, 0, exc)
+            return None
+        return None if self._failed_at(flight, 0) else sums
+
+    async def _checksum(
+        self, flight: Flight, block: Block, digest: bool
+    ) -> tuple[int, str | None] | None:
+        """The crc32c of a captured shard's block (and, with ``digest``, its content
+        digest); None once the snapshot failed (on this checksum or any other shard's
+        capture or checksum): no tier takes its shards then."""
+        if self._failed_at(flight, 0):
+            return None
+        try:
+            if digest:
+                sums = await self.checksums.checksums(block, digest)
+            else:
+                sums = (await self.checksums.checksum(block), None)
+        except Exception as exc:
+            self._fail(flight, 0, exc)
+            return None
+        return None if self._failed_at(flight, 0) else sums
+
+    async def _uncaptured_flow(self, flight: Flight, i: int) -> None:
+        """A shard not captured (see :meth:`Increments.plan_uncaptured`): every durable tier refers
+        to the bytes its base holds; nothing is copied, checksummed or written."""
+        m = flight.manifest
+        flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+        flight.captured_count += 1
+        if flight.captured_count == len(m.shards):
+            self._on_all_captured(flight)
+        flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
+        flight.checksummed_count += 1
+        if flight.checksummed_count == len(m.shards):
+            await self._on_all_checksummed(flight)
+        for k in self._durable_stages():
+            if not await flight.begun[k] or self._failed_at(flight, k):
+                break
+            self.tier_reused[self.stage_names[k]] += m.shards[i].length
+            flight.states[i] = advance(self.table, flight.states[i], Event.PERSISTED)
+            flight.persisted[k] += 1
+            if flight.persisted[k] == len(m.shards):
+                await self._commit(flight, k)
+
+    def _release(self, block: Block, adopted: Block | None) -> None:
+        """Drop the flow's hold; a block the host tier adopted stays for it, evictable."""
+        if block is adopted and not block.evictable:
+            self.arena.mark_evictable(block, self._host_evicted)
+        self.arena.release(block)
+
+    async def _refetch(self, flight: Flight, shard: ShardMeta, stage: int) -> Block:
+        """Read an evicted shard back from the tier of ``stage`` into a new block, verified
+        (``_fetch``), under that tier's deadline and retries."""
+        tier = self.tier_of(stage)
+        block = await self.arena.allocate(shard.length)
+
+        async def read(source: Tier, out: memoryview) -> None:
+            what = f"read shard {shard.index}"
+            await self._guarded(stage, what, partial(source.read_shard, flight.manifest, shard, out))
+
+        try:
+            await read_copy(
+                flight.manifest,
+                shard,
+                tier,
+                block.memoryview(),
+                checksum=self.checksums.checksum_bytes,
+                read=read,
+            )
+        except BaseException:
+            self.arena.release(block)
+            raise
+        return block
+
+    def _host_evicted(self, block: Block) -> None:
+        if self.staging is not None:
+            self.staging.evicted(block)
+
+    def _on_all_captured(self, flight: Flight) -> None:
+        """Every shard is copied and the versions held: the tensors may change now."""
+        if self._failed_at(flight, 0):
+            return
+        flight.stats.capture_s = time.perf_counter() - flight.t_submit
+        # a flight may stay a long time behind a slow tier: it must not keep the state's
+        # tensors alive meanwhile (every capture job has returned; none reads them again)
+        flight.refs = ()
+        if not flight.captured.done():
+            flight.captured.set_result(None)
+
+    async def _on_all_checksummed(self, flight: Flight) -> None:
+        """Every shard is on the host with its checksum: the host stage is reached."""
+        if self._failed_at(flight, 0):
+            return
+        if self.host is not None:
+            await self._commit(flight, 0)
+        else:
+            self._resolve(flight, 0)
