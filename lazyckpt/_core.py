@@ -114,14 +114,12 @@ class _Core(_StepOps, _Lifecycle):
         if self.preempted is not None:
             # draining for a preemption: a new snapshot could not become durable in time
             # and would only delay the exit; the trainer may still run a few steps
-            self.engine.skipped += 1
-            warnings.warn(
-                f"snapshot of step {step} skipped: the job is being preempted (signal "
-                f"{self.preempted}); the snapshots taken before it were drained",
-                SnapshotSkippedWarning,
-                stacklevel=stacklevel,
+            return self._skip(
+                step,
+                f"the job is being preempted (signal {self.preempted}); the snapshots taken "
+                "before it were drained",
+                stacklevel + 1,
             )
-            return SnapshotHandle(self.engine, None, step)
         self.report_failures()
         self.lazy.wait_blocking()  # a snapshot must not see half-loaded optimizer state
         with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
@@ -138,14 +136,12 @@ class _Core(_StepOps, _Lifecycle):
                 assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
             manifest, nbytes = self._plan(step, tree, refs)
         if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
-            self.engine.skipped += 1
-            warnings.warn(
-                f"snapshot of step {step} skipped: the pipeline is still busy with earlier "
-                f"snapshots ({self.engine.skipped} skipped so far)",
-                SnapshotSkippedWarning,
-                stacklevel=stacklevel,
+            return self._skip(
+                step,
+                f"the pipeline is still busy with earlier snapshots "
+                f"({self.engine.skipped + 1} skipped so far)",
+                stacklevel + 1,
             )
-            return SnapshotHandle(self.engine, None, step)
         flight = Flight(manifest, refs, self.engine.stage_names, nbytes)
         self._last_step = step
         if self.cuda is not None:
@@ -208,6 +204,15 @@ class _Core(_StepOps, _Lifecycle):
         if self._owned_cache is None or self._owned_cache[0] != shape:
             self._owned_cache = (shape, optimizer_pointers(live))
         return self._owned_cache[1]
+
+    def _skip(self, step: int, why: str, stacklevel: int) -> SnapshotHandle:
+        """Count and warn of a skipped snapshot (the warning points ``stacklevel`` frames up
+        from here) and return its handle."""
+        self.engine.skipped += 1
+        warnings.warn(
+            f"snapshot of step {step} skipped: {why}", SnapshotSkippedWarning, stacklevel=stacklevel
+        )
+        return SnapshotHandle(self.engine, None, step)
 
     def _plan(self, step: int, tree: Any, refs: list[TensorRef]) -> tuple[Manifest, int]:
         """The layout for this snapshot and its tensor bytes; reused from the previous one

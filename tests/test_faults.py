@@ -111,7 +111,7 @@ async def test_when_busy_skip_drops_and_counts(tmp_path: Path) -> None:
     ) as ckpt:
         gate, _release = hold_captures(ckpt)
         first = await ckpt.snapshot(state(1), step=1)
-        with pytest.warns(SnapshotSkippedWarning, match="step 2 skipped"):
+        with pytest.warns(SnapshotSkippedWarning, match="step 2 skipped") as caught:
             second = await ckpt.snapshot(state(2), step=2)
         assert second.skipped and second.state() == "skipped"
         with pytest.raises(SnapshotSkippedError):
@@ -119,6 +119,8 @@ async def test_when_busy_skip_drops_and_counts(tmp_path: Path) -> None:
         gate.set()
         await first.committed()
         assert ckpt.metrics()["snapshots_skipped"] == 1
+        # the warning points at the line that called snapshot(), not into lazyckpt
+        assert [w.filename for w in caught] == [__file__]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             await (await ckpt.snapshot(state(3), step=3)).committed()  # not busy: not skipped
