@@ -718,7 +718,7 @@ def _median(run: dict[str, Any] | None, key: str) -> float | None:
 
 
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets, judged on this run (only a CUDA run says anything about them)."""
+    """The GPU targets, judged on this run (only a CUDA run says anything about them)."""
     if doc["device"]["kind"] != "cuda":
         return {"evaluated": False, "why": "a CPU run checks the script, not the GPU path"}
     out: dict[str, Any] = {"evaluated": True}

@@ -47,7 +47,7 @@ def _status(value: float, full: float, partial: float | None = None, *, higher: 
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The targets of the benchmark issue, each with the measured value and a verdict."""
+    """The benchmark targets, each with the measured value and a verdict."""
     r = results["results"]
     out: list[dict[str, Any]] = []
 

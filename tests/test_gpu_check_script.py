@@ -179,7 +179,7 @@ def cuda_doc(ratio: float, stream_ms: float, meta_ms: float, dcp_ms: float) -> d
     }
 
 
-def test_the_verdict_follows_the_issue_targets(gpu_check: ModuleType) -> None:
+def test_the_verdict_follows_the_gpu_targets(gpu_check: ModuleType) -> None:
     good = gpu_check.targets(cuda_doc(ratio=0.85, stream_ms=3.5, meta_ms=3.0, dcp_ms=2000.0))
     assert good["evaluated"] is True
     assert good["capture_vs_plain_d2h"]["met"] is True
