@@ -43,8 +43,8 @@ from ._file_io import ALIGN
 
 __all__ = ["DataFile", "close_after", "combine", "open_shard", "read_piece"]
 
-_SLICE = 1 << 20  # checksummed right after landing: stays in a core's L2 cache
-_BOUNCE = 4 << 20  # per reading thread; holds one direct read of an unaligned piece
+_SLICE = 256 << 10  # checksummed right after landing, while in the core's L2 cache
+_BOUNCE = 2 << 20  # per reading thread: one direct read of an unaligned piece at a time
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
