@@ -114,7 +114,7 @@ def _new_tensor(meta: TensorMeta, align: int) -> torch.Tensor:
 
     Why: the new pages' faults are most of what a restore into new tensors costs beyond
     the read itself. On a 2-vCPU VM a cold 256 MiB read into new 4 KiB pages cost 0.22
-    CPU-s, into new huge pages 0.06 (docs/design.md, "Reading a shard")."""
+    CPU-s, into new huge pages 0.06 (docs/design.md, "Reading a shard back, cold")."""
     nbytes = meta.nbytes
     if nbytes < _ALIGNED_FROM:
         return _empty(meta)

@@ -10,7 +10,7 @@ one of two ways, chosen per shard:
   tensors so), and into a per-thread bounce buffer copied out slice by slice where it is
   not (an ``into=`` target from PyTorch's allocator). Measured on a 2-vCPU VM: about a
   sixth of the CPU time of a buffered read of the same cold bytes, and faster, since the
-  kernel neither fills nor copies page-cache pages (docs/design.md, "Reading a shard").
+  kernel neither fills nor copies page-cache pages (docs/design.md, "Reading a shard back, cold").
 - **Through the page cache** (``preadv``), when the bytes are cached (a restore right after
   a buffered write, a second restore), where the file system refuses ``O_DIRECT``, for an
   unaligned tail, or with ``read_direct=False``.
