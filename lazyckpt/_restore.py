@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import mmap
-import sys
 import warnings
 from collections.abc import (
     Awaitable,
@@ -100,7 +98,6 @@ def _empty(meta: TensorMeta) -> torch.Tensor:
         return torch.empty(meta.shape, dtype=dtype)
 
 
-_HUGE_PAGE = 2 << 20
 # from this size a new tensor is allocated at the tiers' read alignment: below it, the bounce
 # copy of a direct read costs less than what the alignment adds to the tensor's storage
 _ALIGNED_FROM = 1 << 20
@@ -109,56 +106,25 @@ _ALIGNED_FROM = 1 << 20
 def _new_tensor(meta: TensorMeta, align: int) -> torch.Tensor:
     """A new tensor for ``meta``, empty: where it is at least ``_ALIGNED_FROM`` bytes, its
     bytes start at a multiple of ``align`` (the tiers' read alignment: a read past the page
-    cache then lands in it without a copy; its storage is then up to ``align`` bytes longer
-    than the tensor), and it asks for transparent huge pages, before anything touches it.
+    cache then lands in it without a bounce copy; its storage is then up to ``align`` bytes
+    longer than the tensor).
 
-    Why: the new pages' faults are most of what a restore into new tensors costs beyond
-    the read itself. On a 2-vCPU VM a cold 256 MiB read into new 4 KiB pages cost 0.22
-    CPU-s, into new huge pages 0.06 (docs/design.md, "Reading a shard back, cold")."""
+    Transparent huge pages were tried for these tensors and left out: in a fresh process
+    on the 2-vCPU VM they cost more CPU time than 4 KiB pages, and far more at times
+    (docs/design.md, "Reading a shard back, cold")."""
     nbytes = meta.nbytes
-    if nbytes < _ALIGNED_FROM:
+    if nbytes < _ALIGNED_FROM or align <= 1:
         return _empty(meta)
-    if align <= 1:
-        tensor = _empty(meta)
-    else:
-        raw = torch.empty(nbytes + align, dtype=torch.uint8)
-        skip = -raw.data_ptr() % align
-        if skip % meta.itemsize:  # an allocator aligning less than the item size: plain
-            return _empty(meta)
-        flat = raw[skip : skip + nbytes]
-        if meta.torch_dtype is torch.complex32:
-            with warnings.catch_warnings():  # see _empty
-                warnings.simplefilter("ignore", UserWarning)
-                tensor = flat.view(meta.torch_dtype).view(meta.shape)
-        else:
-            tensor = flat.view(meta.torch_dtype).view(meta.shape)
-    _advise_huge_pages(tensor.data_ptr(), nbytes)
-    return tensor
-
-
-def _advise_huge_pages(start: int, nbytes: int) -> None:
-    """Ask for transparent huge pages on the whole 2 MiB pages inside ``[start, start +
-    nbytes)`` (``madvise(MADV_HUGEPAGE)``; Linux only, and only a hint: memory already
-    touched, or a kernel with them off, keeps its pages)."""
-    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-    hi = (start + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-    if hi > lo and _madvise is not None:
-        _madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
-
-
-def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return call
-
-
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-_madvise = _libc_madvise()
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    skip = -raw.data_ptr() % align
+    if skip % meta.itemsize:  # an allocator aligning less than the item size: plain
+        return _empty(meta)
+    flat = raw[skip : skip + nbytes]
+    if meta.torch_dtype is not torch.complex32:
+        return flat.view(meta.torch_dtype).view(meta.shape)
+    with warnings.catch_warnings():  # see _empty
+        warnings.simplefilter("ignore", UserWarning)
+        return flat.view(meta.torch_dtype).view(meta.shape)
 
 
 def _read_alignment(sources: Sequence[Tier]) -> int:
