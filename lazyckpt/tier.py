@@ -14,6 +14,8 @@ the optional capability protocols, checked with ``isinstance``:
   restores, replicated tensors written once).
 - :class:`SupportsReferences`: the tier stores incremental snapshots (a shard may be read
   from an earlier step's stored data; retention keeps what committed steps refer to).
+- :class:`SupportsBatchPut`: the tier stores several shards of a snapshot in one
+  ``put_shards`` call (the engine hands the first durable tier each capture batch at once).
 - :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
   copying it out (restores into device tensors straight from pinned memory).
 - :class:`SupportsChecksummedRead`: the tier computes a shard's crc32c while reading it,
@@ -54,6 +56,7 @@ from ._state import TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,
     Retention,
+    SupportsBatchPut,
     SupportsBlockRead,
     SupportsChecksummedRead,
     SupportsGlobalCommit,
@@ -84,6 +87,7 @@ __all__ = [
     "Segment",
     "ShardMeta",
     "SnapshotNotFoundError",
+    "SupportsBatchPut",
     "SupportsBlockRead",
     "SupportsChecksummedRead",
     "SupportsGlobalCommit",

@@ -6,12 +6,14 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections.abc import Sequence
 
 __all__ = [
     "ALIGN",
     "address",
     "probe_direct",
     "pwrite",
+    "pwrite_many",
 ]
 
 ALIGN = 4096
@@ -25,6 +27,44 @@ def pwrite(fd: int, direct: bool, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
+
+
+def pwrite_many(fd: int, direct: bool, data: Sequence[memoryview], offsets: Sequence[int]) -> None:
+    """Write each ``data[j]`` at ``offsets[j]``: each run of adjacent buffers with one
+    ``pwritev`` (one release of the interpreter lock for the run), a buffer that
+    ``O_DIRECT`` cannot take as it is (unaligned address or length) with :func:`pwrite`."""
+    j = 0
+    while j < len(data):
+        run = [data[j]]
+        end = offsets[j] + len(data[j])
+        while (
+            j + len(run) < len(data)
+            and offsets[j + len(run)] == end
+            and _vectorable(direct, run[-1])
+            and _vectorable(direct, data[j + len(run)])
+        ):
+            end += len(data[j + len(run)])
+            run.append(data[j + len(run)])
+        if len(run) == 1:
+            pwrite(fd, direct, run[0], offsets[j])
+        else:
+            _pwritev(fd, direct, run, offsets[j])
+        j += len(run)
+
+
+def _vectorable(direct: bool, view: memoryview) -> bool:
+    return not direct or (len(view) % ALIGN == 0 and address(view) % ALIGN == 0)
+
+
+def _pwritev(fd: int, direct: bool, run: list[memoryview], offset: int) -> None:
+    """All of ``run`` from ``offset`` on; what a short write leaves, :func:`pwrite` writes
+    buffer by buffer."""
+    done = os.pwritev(fd, run, offset)
+    for view in run:
+        if done < len(view):
+            pwrite(fd, direct, view[done:], offset + done)
+        done = max(0, done - len(view))
+        offset += len(view)
 
 
 def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
