@@ -38,6 +38,13 @@ def _cold(root: Path) -> None:
             os.close(fd)
 
 
+def _warm(path: Path) -> None:
+    """Read ``path`` through the page cache, leaving it cached."""
+    with open(path, "rb") as f:
+        while f.read(1 << 20):
+            pass
+
+
 def _needs_o_direct(root: Path) -> None:
     """Skip where this file system refuses O_DIRECT (tmpfs): the direct way cannot be taken
     there, and the tier reads through the cache instead (tested on its own below)."""
@@ -98,8 +105,7 @@ async def test_checksummed_read_every_way(tmp_path: Path, way: str) -> None:
         for shard, expected in zip(manifest.shards, payloads, strict=True):
             assert shard.length > 2 * tier.piece_bytes  # several pieces, joined
             if way == "cached":  # a buffered read (a direct one leaves nothing cached)
-                with open(tier._data_path(manifest), "rb") as f:
-                    f.read()
+                _warm(tier._data_path(manifest))
             else:
                 _cold(tmp_path)
             # aligned memory, or aligned plus 64 bytes (as PyTorch's allocator gives)
