@@ -122,7 +122,8 @@ async def test_checksummed_read_every_way(tmp_path: Path, way: str) -> None:
 
 def _opens_direct(tier: FileTier, manifest: lazyckpt.Manifest, shard: lazyckpt.ShardMeta) -> bool:
     """Whether a read of ``shard`` now would read past the page cache (opens O_DIRECT)."""
-    file = file_read.open_shard(tier._data_path(manifest), shard, tier.read_direct)
+    path = tier._data_path(manifest)
+    file = file_read.open_piece(path, shard.offset, shard.length, tier.read_direct)
     file.close()
     return file.direct_fd is not None
 

@@ -69,7 +69,7 @@ from lazyckpt.tier import (
 
 from ._file_io import ALIGN, address, probe_direct, pwrite, pwrite_many
 from ._file_location import MANIFEST, MARKER, RETIRED, STEP_DIR, marker_document, survey
-from ._file_read import close_after, combine, open_shard, read_piece
+from ._file_read import combine, read_piece
 from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
 
 __all__ = ["FileTier"]
@@ -551,17 +551,16 @@ class FileTier(Tier):
         pool = self._reader()
         loop = asyncio.get_running_loop()
         with backend_errors(self.name, what):
-            file = await loop.run_in_executor(pool, open_shard, path, shard, self.read_direct)
             base = address(out) if shard.length else 0
             starts = range(0, shard.length, self.piece_bytes)
             futures = [
-                pool.submit(read_piece, file, shard, out, base, s, self.piece_bytes, checksum)
+                loop.run_in_executor(
+                    pool, read_piece, path, shard, out, base, s, self.piece_bytes, checksum,
+                    self.read_direct,
+                )
                 for s in starts
             ]
-            close_after(file, futures)  # not before every piece is done, cancelled or not
-            results = await asyncio.gather(
-                *(asyncio.wrap_future(f) for f in futures), return_exceptions=True
-            )
+            results = await asyncio.gather(*futures, return_exceptions=True)
             crcs: list[int] = []
             for result in results:  # every piece is done: the first failure is the answer
                 if isinstance(result, BaseException):

@@ -1,10 +1,10 @@
 """Reading FileTier shards back: pieces side by side, each checksummed as it lands, and read
 past the page cache where the bytes are not in it.
 
-A shard is read in pieces (``piece_bytes``) by the tier's read pool. Each piece is read by
-one of two ways, chosen per shard:
+A shard is read in pieces (``piece_bytes``) by the tier's read pool, one job per piece.
+Each piece is read by one of two ways, chosen per piece:
 
-- **Past the page cache** (``O_DIRECT``), when most of the shard's pages are not cached
+- **Past the page cache** (``O_DIRECT``), when most of the piece's pages are not cached
   (``mincore`` over a mapping of its range; a cold restore). The disk writes straight into
   the destination where it is block-aligned (:data:`ALIGN`: a restore allocates its new
   tensors so), and into a per-thread bounce buffer copied out slice by slice where it is
@@ -24,7 +24,7 @@ are in the destination, so it still checks the copy end to end.
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -41,7 +41,7 @@ from lazyckpt.tier import CorruptionError, ShardMeta, crc32c_combine
 
 from ._file_io import ALIGN
 
-__all__ = ["DataFile", "close_after", "combine", "open_shard", "read_piece"]
+__all__ = ["DataFile", "combine", "open_piece", "read_piece"]
 
 _SLICE = 256 << 10  # checksummed right after landing, while in the core's L2 cache
 _BOUNCE = 2 << 20  # per reading thread: one direct read of an unaligned piece at a time
@@ -51,8 +51,8 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 @dataclass
 class DataFile:
-    """A data file opened to read one shard: a buffered descriptor, and one opened
-    ``O_DIRECT`` when the shard is read past the page cache."""
+    """A data file opened to read one piece of a shard: a buffered descriptor, and one
+    opened ``O_DIRECT`` when the piece is read past the page cache."""
 
     path: Path
     fd: int
@@ -64,59 +64,56 @@ class DataFile:
             os.close(self.direct_fd)
 
 
-def open_shard(path: Path, shard: ShardMeta, direct: bool) -> DataFile:
-    """Open ``path`` to read ``shard``; with ``direct``, also ``O_DIRECT`` unless the shard's
-    bytes are mostly in the page cache or the file system refuses it. A missing file is
-    :class:`CorruptionError` (a committed step's data file is missing)."""
+def open_piece(path: Path, offset: int, length: int, direct: bool) -> DataFile:
+    """Open ``path`` to read ``length`` bytes at ``offset``; with ``direct``, also
+    ``O_DIRECT`` unless those bytes are mostly in the page cache or the file system refuses
+    it. A missing file is :class:`CorruptionError` (a committed step's data file is
+    missing)."""
     try:
         fd = os.open(path, os.O_RDONLY | _CLOEXEC)
     except FileNotFoundError:
         raise CorruptionError(f"{path} is missing") from None
     direct_fd = None
-    if direct and _O_DIRECT and not _mostly_cached(fd, shard.offset, shard.length):
-        try:
-            direct_fd = os.open(path, os.O_RDONLY | _O_DIRECT | _CLOEXEC)
-        except OSError:  # tmpfs and some others refuse O_DIRECT: read through the cache
-            direct_fd = None
-        except BaseException:
-            os.close(fd)
-            raise
+    try:
+        if direct and _O_DIRECT and not _mostly_cached(fd, offset, length):
+            with contextlib.suppress(OSError):  # tmpfs and others refuse O_DIRECT
+                direct_fd = os.open(path, os.O_RDONLY | _O_DIRECT | _CLOEXEC)
+    except BaseException:
+        os.close(fd)
+        raise
     return DataFile(path, fd, direct_fd)
 
 
-def close_after(file: DataFile, futures: list[concurrent.futures.Future[int]]) -> None:
-    """Close ``file`` once every future is done: a piece still reading when the restore is
-    cancelled would otherwise read from a closed (or, worse, reused) descriptor."""
-    if not futures:
-        file.close()
-        return
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: object) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            file.close()
-
-    for f in futures:
-        f.add_done_callback(one_done)
-
-
 def read_piece(
-    file: DataFile,
+    path: Path,
     shard: ShardMeta,
     out: memoryview,
     base: int,
     start: int,
     piece: int,
     checksum: bool,
+    direct: bool,
 ) -> int:
-    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) into ``out``, whose
-    memory starts at address ``base`` (-1: a read-only view, which ``preadv`` refuses);
-    their crc32c with ``checksum`` (else 0)."""
+    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) from ``path`` into
+    ``out``, whose memory starts at address ``base`` (-1: a read-only view, which
+    ``preadv`` refuses); their crc32c with ``checksum`` (else 0).
+
+    One job on the tier's read pool does it all (open, read, checksum, close): on two cores
+    shared with training, every hand-over between threads waits for a time slice, so a
+    piece costs one hand-over there and one back, not more. The descriptors are the job's
+    own, so a restore cancelled meanwhile leaves none behind."""
     stop = min(start + piece, shard.length)
+    file = open_piece(path, shard.offset + start, stop - start, direct)
+    try:
+        return _read_open(file, shard, out, base, start, stop, checksum)
+    finally:
+        file.close()
+
+
+def _read_open(
+    file: DataFile, shard: ShardMeta, out: memoryview, base: int, start: int, stop: int,
+    checksum: bool,
+) -> int:
     crc = 0
     at = start
     head = (stop - start) // ALIGN * ALIGN
