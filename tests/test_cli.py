@@ -9,9 +9,9 @@ import io
 import json
 import math
 import zipfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import safetensors.torch
@@ -33,6 +33,8 @@ from lazyckpt.cli import (
 )
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, HostMemoryTier
+
+_T = TypeVar("_T")
 
 __all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 
@@ -687,12 +689,21 @@ class CountingTier(FileTier):
         self.buffers: set[int] = set()
 
     async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+        await self._counted(super().read_shard(manifest, shard, out), out)
+
+    async def read_shard_checksummed(
+        self, manifest: Manifest, shard: ShardMeta, out: memoryview
+    ) -> int:
+        # the read a verified read takes on a FileTier (it checksums while reading)
+        return await self._counted(super().read_shard_checksummed(manifest, shard, out), out)
+
+    async def _counted(self, read: Awaitable[_T], out: memoryview) -> _T:
         self.active += 1
         self.most = max(self.most, self.active)
         self.buffers.add(id(out.obj))
         try:
             await asyncio.sleep(0)  # let the other reads start if the reader allows them
-            await super().read_shard(manifest, shard, out)
+            return await read
         finally:
             self.active -= 1
 
