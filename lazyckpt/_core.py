@@ -309,13 +309,14 @@ class _Core(_StepOps, _Lifecycle):
     def wait_captured_blocking(self, *, report: bool = True) -> float:
         """Block until every pending capture is done; return the seconds waited. With
         ``report``, then apply the failure policy."""
-        t0 = time.perf_counter()
         pending = self.engine.pending_captures()
-        if pending:
+        waited = 0.0
+        if pending:  # else (most steps) nothing to time or to charge
+            t0 = time.perf_counter()
             concurrent.futures.wait([f.captured for f in pending])
-        waited = time.perf_counter() - t0
-        for f in pending:
-            f.stats.guard_s += waited
+            waited = time.perf_counter() - t0
+            for f in pending:
+                f.stats.guard_s += waited
         if report:
             self.report_failures()
         return waited
@@ -357,7 +358,10 @@ class _Core(_StepOps, _Lifecycle):
                 log.exception("lazyckpt's guard failed to wait for the pending captures")
 
         def hook(_opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if closure is not False:
+            # the hook runs at every step, with cold caches after a forward and backward
+            # pass: a step without a closure (its only argument the optimizer) skips the
+            # closure lookup
+            if closure is not False and (kwargs or len(args) != 1 or args[0] is not opt):
                 wrapped = wrap_closure(args, kwargs, wait)
                 if wrapped is not None:
                     return wrapped
