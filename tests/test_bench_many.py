@@ -74,5 +74,8 @@ def test_stall_sweep_quick(tmp_path: Path) -> None:
         assert set(r["lazyckpt_split_ms"]) == set(r["lazyckpt_first_split_ms"]) == {
             "model_state_dict", "optim_state_dict", "walk", "plan", "other", "guard"
         }
+    steady = doc["results"]["steady_state"]
+    assert _positive(steady["lazyckpt_ms"]) and _positive(steady["dcp_async_ms"])
+    assert steady["met"] == (steady["ratio_pct"] <= steady["target_pct"])
     (csv_path,) = tmp_path.glob("*.csv")
     assert len(csv_path.read_text().splitlines()) == 1 + len(rows)
