@@ -43,6 +43,7 @@ __all__ = ["_Core", "captures_done", "make_core"]
 
 log = logging.getLogger("lazyckpt")
 
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """A snapshot's plan: the structure it was made for (keys, dtypes, shapes, aliases and
