@@ -193,19 +193,53 @@ class KeyCache:
         """Check the keys of a mapping walked in passes (at path ``parent``; ``sizes`` and
         ``inner``: its dicts' sizes and keys, for a mapping of dicts) and keep what follows
         from them for the next walk."""
-        child = self.child_path
-        if sizes is None or inner is None:
-            paths = [child(parent, k) for k in keys]
-        else:
-            paths = []
-            names = iter(inner)
-            for k, size in zip(keys, sizes, strict=True):
-                path = child(parent, k)
-                paths.extend([child(path, next(names)) for _ in range(size)])
+        outer = _plain_names(keys)
+        if outer is None:  # a key to escape, or one to refuse: the per-key checks
+            outer = [_escape(k) if type(k) is str else str(k) for k in keys]
+            for k in keys:
+                self.child_path(parent, k)  # raises for a key no tier may turn into a path
+        prefix = f"{parent}/" if parent else ""
+        paths = list(map(prefix.__add__, outer))
+        if sizes is not None and inner is not None:
+            names = _plain_names(inner)
+            if names is None:
+                names = [_escape(k) if type(k) is str else str(k) for k in inner]
+                repeated = itertools.chain.from_iterable(map(itertools.repeat, paths, sizes))
+                for path, k in zip(repeated, inner, strict=True):
+                    self.child_path(path, k)
+            # each dict's path and a slash, once per key of that dict, then the key's name
+            slashed = map(operator.add, paths, itertools.repeat("/"))
+            starts = itertools.chain.from_iterable(map(itertools.repeat, slashed, sizes))
+            paths = list(map(operator.add, starts, names))
         if len(self.mappings) >= self.limit:
             self.mappings.clear()
         shape = self.mappings[parent] = _MappingShape(keys, sizes, inner, paths)
         return shape
+
+
+def _plain_names(keys: list[Any]) -> list[str] | None:
+    """The path parts of str or int keys that need no escaping, checked in passes as
+    :func:`_check_key` checks one key; None if any key needs escaping or is refused."""
+    kinds = set(map(type, keys))
+    if kinds == _INT:
+        return list(map(str, keys))  # digits: nothing to check or escape
+    if kinds != _STR:
+        return None
+    joined = "".join(keys)
+    if (
+        "/" in joined  # no "/" anywhere: none starts with one, none needs escaping
+        or "%" in joined
+        or _CONTROL.search(joined) is not None
+        or not _SPECIAL.isdisjoint(keys)
+        or max(map(len, keys), default=0) > _MAX_KEY
+    ):
+        return None
+    return keys
+
+
+_INT = {int}
+_STR = {str}
+_SPECIAL = {"", ".", ".."}
 
 
 class _MappingShape:

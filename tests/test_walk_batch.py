@@ -68,6 +68,9 @@ CASES: dict[str, Callable[[], dict[Any, Any]]] = {
     "bool key": lambda: {"d": {True: torch.ones(1), **{i + 2: torch.ones(1) for i in range(9)}}},
     "view": _view,
     "mixed": lambda: {**_plain(9), "lr": 0.1},
+    "keys to escape": lambda: {"m": {f"a/{i}%": torch.ones(1) for i in range(9)}},
+    "str and int keys": lambda: {"m": {**_plain(5), **{i: torch.ones(1) for i in range(5)}}},
+    "dots in keys": lambda: {"m": {f"...{i}": torch.ones(1) for i in range(9)}},
 }
 
 
@@ -87,10 +90,19 @@ def test_batch_path_walks_as_the_loop_does(case: str, monkeypatch: pytest.Monkey
         {**_plain(9), "..": torch.ones(1)},  # a key no tier may turn into a path
         {**_plain(9), "s": torch.ones(2, 2).to_sparse()},  # not a dense tensor
         {**_plain(9), "m": torch.empty(2, device="meta")},
+        {**_plain(9), "/abs": torch.ones(1)},
+        {**_plain(9), "nul\x00": torch.ones(1)},
+        {**_plain(9), "x" * 1025: torch.ones(1)},
+        {**_plain(9), "": torch.ones(1)},
+        {i: {"m": torch.ones(1), "..": torch.ones(1)} for i in range(9)},
+        {i: {"m": torch.ones(1), "/m": torch.ones(1)} for i in range(9)},
+        {i: {"m": torch.ones(1), "a\nb": torch.ones(1)} for i in range(9)},
+        {i: {"m": torch.ones(1), "y" * 1025: torch.ones(1)} for i in range(9)},
+        {**{i: {"m": torch.ones(1)} for i in range(9)}, ".": {"m": torch.ones(1)}},
     ],
 )
-def test_batch_path_refuses_what_the_loop_refuses(bad: dict[str, Any]) -> None:
-    with pytest.raises(UnsupportedStateError):
+def test_batch_path_refuses_what_the_loop_refuses(bad: dict[Any, Any]) -> None:
+    with pytest.raises(UnsupportedStateError, match=r"not allowed|longer than|layout|meta"):
         walk_state({"model": bad}, allow_pickle=False)
 
 
@@ -116,6 +128,8 @@ NESTED: dict[str, Callable[[], dict[Any, Any]]] = {
     },
     "a bool key inside": lambda: {"s": {**_optimizer_state(9), 9: {True: torch.ones(1)}}},
     "an alias inside": lambda: _nested_alias(),
+    "inner keys to escape": lambda: {"s": {f"p/{i}": {"a%b": torch.ones(1)} for i in range(9)}},
+    "str and int inner keys": lambda: {"s": {i: {"m": torch.ones(1), 1: torch.ones(1)} for i in range(9)}},
 }
 
 
