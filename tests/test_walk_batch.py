@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt import UnsupportedStateError, _tree
-from lazyckpt._tree import KeyCache, walk_state
+from lazyckpt import CorruptionError, UnsupportedStateError, _tree, _tree_values
+from lazyckpt._tree import KeyCache, decode_tree, walk_state
 from tiers import FileTier
 
 
@@ -98,7 +98,7 @@ def test_batch_path_walks_as_the_loop_does(case: str, monkeypatch: pytest.Monkey
         {i: {"m": torch.ones(1), "/m": torch.ones(1)} for i in range(9)},
         {i: {"m": torch.ones(1), "a\nb": torch.ones(1)} for i in range(9)},
         {i: {"m": torch.ones(1), "y" * 1025: torch.ones(1)} for i in range(9)},
-        {**{i: {"m": torch.ones(1)} for i in range(9)}, ".": {"m": torch.ones(1)}},
+        {**{f"p{i}": {"m": torch.ones(1)} for i in range(9)}, ".": {"m": torch.ones(1)}},
     ],
 )
 def test_batch_path_refuses_what_the_loop_refuses(bad: dict[Any, Any]) -> None:
@@ -279,3 +279,89 @@ def test_warm_walk_sees_keys_move_between_dicts() -> None:
     warm = _describe(*walk_state(state, allow_pickle=False, keys=keys))
     assert warm == _describe(*walk_state(state, allow_pickle=False, keys=KeyCache()))
     assert [r[0] for r in warm[1]] == ["s/0/m", "s/1/v", "s/1/m", "s/2/v"]
+
+
+# -- decoding such trees back in passes -----------------------------------------------------
+
+
+def _decode(tree: Any, n: int, bulk: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``decode_tree`` with the passes on or off; tensors stand in as distinct strings."""
+    with monkeypatch.context() as m:
+        m.setattr(_tree_values, "_BULK_MIN", 1 if bulk else 10**9)
+        try:
+            return decode_tree(tree, [f"t{i}" for i in range(n)], allow_pickle=False)
+        except CorruptionError as exc:
+            return ("refused", type(exc))
+
+
+def _tensor_node(i: Any) -> dict[str, Any]:
+    return {"$tensor": i}
+
+
+def _flat(n: int = 9, **changes: Any) -> dict[str, Any]:
+    items: list[Any] = [[f"k{i}", _tensor_node(i)] for i in range(n)]
+    for where, item in changes.items():
+        items[int(where[1:])] = item
+    return {"$dict": items}
+
+
+def _nested(n: int = 9, **changes: Any) -> dict[str, Any]:
+    items: list[Any] = [[i, {"$dict": [["m", _tensor_node(2 * i)], ["v", _tensor_node(2 * i + 1)]]}] for i in range(n)]
+    for where, item in changes.items():
+        items[int(where[1:])] = item
+    return {"$dict": items}
+
+
+TREES: dict[str, Any] = {
+    "flat": _flat(),
+    "nested": _nested(),
+    "walked": walk_state(_sweep_state(), allow_pickle=False)[0],
+    "walked optimizer state": walk_state({"o": _optimizer_state()}, allow_pickle=False)[0],
+    "empty inner dicts": {"$dict": [[i, {"$dict": []}] for i in range(9)]},
+    "some empty inner dicts": _nested(i3=[3, {"$dict": []}]),
+    "index out of range": _flat(i4=["k4", _tensor_node(99)]),
+    "negative index": _flat(i4=["k4", _tensor_node(-1)]),
+    "bool index": _flat(i4=["k4", _tensor_node(True)]),
+    "float index": _flat(i4=["k4", _tensor_node(1.0)]),
+    "a node with two keys": _flat(i4=["k4", {"$tensor": 4, "x": 1}]),
+    "an item of three": _flat(i4=["k4", _tensor_node(4), 0]),
+    "an item of one": _flat(i4=["k4"]),
+    "an item that is no list": _flat(i4=("k4", _tensor_node(4))),
+    "a bool key": _flat(i4=[True, _tensor_node(4)]),
+    "a float key": _flat(i4=[{"$float": "inf"}, _tensor_node(4)]),
+    "a tuple key": _flat(i4=[{"$tuple": [1, 2]}, _tensor_node(4)]),
+    "a list key": _flat(i4=[[1], _tensor_node(4)]),
+    "a plain value": _flat(i4=["k4", 0.5]),
+    "a tagged value": _flat(i4=["k4", {"$bytes": "AA=="}]),
+    "an unknown tag": _flat(i4=["k4", {"$what": 1}]),
+    "duplicate keys": _flat(i4=["k3", _tensor_node(4)]),
+    "inner index out of range": _nested(i2=[2, {"$dict": [["m", _tensor_node(99)]]}]),
+    "inner bool key": _nested(i2=[2, {"$dict": [[False, _tensor_node(4)]]}]),
+    "inner plain value": _nested(i2=[2, {"$dict": [["m", 3]]}]),
+    "inner item of three": _nested(i2=[2, {"$dict": [["m", _tensor_node(4), 1]]}]),
+    "inner stateful": _nested(i2=[2, {"$stateful": {"$dict": [["m", _tensor_node(4)]]}}]),
+    "inner dict not a list": _nested(i2=[2, {"$dict": {"m": 1}}]),
+    "inner tuple": _nested(i2=[2, {"$tuple": [_tensor_node(4)]}]),
+}
+
+
+@pytest.mark.parametrize("case", list(TREES))
+def test_decoding_in_passes_gives_what_the_general_decoding_gives(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = TREES[case]
+    bulk = _decode(tree, 40, True, monkeypatch)
+    assert bulk == _decode(tree, 40, False, monkeypatch)
+    if case in ("flat", "nested", "walked", "walked optimizer state"):
+        # and the passes did take it: the tensors are the very objects in the list
+        with monkeypatch.context() as m:
+            calls: list[Any] = []
+            real = _tree_values._Decoder.decode
+
+            def spy(self: Any, node: Any) -> Any:
+                calls.append(node)
+                return real(self, node)
+
+            m.setattr(_tree_values._Decoder, "decode", spy)
+            decode_tree(tree, [f"t{i}" for i in range(40)], allow_pickle=False)
+        assert len(calls) < 10  # not one call per tensor
