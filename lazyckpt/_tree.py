@@ -145,7 +145,9 @@ class KeyCache:
     become one dict lookup after the first ``snapshot()``, and the tree's
     ``[key, {"$tensor": i}]`` items are shared between snapshots (trees are never modified
     after the walk), which keeps ``snapshot()`` from allocating, and the garbage collector
-    from scanning, a new list and dict per tensor per snapshot.
+    from scanning, a new list and dict per tensor per snapshot. A mapping walked in passes
+    (``_Walker._tensor_mapping``) keeps one record instead (:class:`_MappingShape`): its
+    keys, its tensors' paths and its whole tree node, reused while its keys stay the same.
 
     Args:
         limit: entries kept per table before it is cleared and refilled. The default has
