@@ -7,14 +7,12 @@ there it is a fraction of the size and parses in a fraction of the time.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import math
-import operator
 from collections.abc import Sequence
-from dataclasses import fields, replace
-from typing import Any, Literal, TypeVar
+from dataclasses import replace
+from typing import Any, Literal
 
 import crc32c
 
@@ -259,35 +257,6 @@ def _pairs(doc: dict[str, Any], name: str, count: int) -> list[list[Any]]:
     return entries
 
 
-def _slices(flat: list[int], counts: list[int]) -> list[tuple[int, ...]]:
-    """``flat`` cut into consecutive tuples of ``counts[i]`` items, equal tuples shared."""
-    ends = list(itertools.accumulate(counts))
-    pieces = map(tuple, map(flat.__getitem__, map(slice, [0, *ends[:-1]], ends)))
-    distinct: dict[tuple[int, ...], tuple[int, ...]] = {}
-    return [distinct.setdefault(p, p) for p in pieces]
-
-
-def _build(cls: type[_T], *columns: Any) -> list[_T]:
-    """Instances of the frozen dataclass ``cls``, one per row of ``columns`` (one iterable
-    per field, in field order), holding what its generated ``__init__`` would set. Made
-    without that ``__init__``, which runs a Python frame and one ``object.__setattr__``
-    call per field for every instance (a frozen class's own ``__setattr__`` refuses);
-    here every step runs in C. The instances stay frozen."""
-    names = _FIELDS[cls]
-    if len(columns) != len(names):
-        raise TypeError(f"{cls.__name__} has {len(names)} fields, got {len(columns)} columns")
-    rows = list(zip(*columns, strict=False))
-    made = list(map(object.__new__, itertools.repeat(cls, len(rows))))
-    collections.deque(map(dict.update, map(vars, made), map(zip, itertools.repeat(names), rows)), 0)
-    return made
-
-
-_T = TypeVar("_T")
-_FIELDS: dict[type, tuple[str, ...]] = {
-    cls: tuple(f.name for f in fields(cls)) for cls in (TensorMeta, Segment)
-}
-
-
 def _decode_columns(doc: dict[str, Any]) -> tuple[tuple[TensorMeta, ...], tuple[ShardMeta, ...]]:
     """The tensors and shards of a manifest in the column encoding, checking what the row
     decoder checks; ``_manifest`` builds the manifest from them and the document's scalars."""
@@ -340,23 +309,31 @@ def _decode_columns(doc: dict[str, Any]) -> tuple[tuple[TensorMeta, ...], tuple[
             raise CorruptionError(f"tensor {keys[i]!r}: bad replica writer {w!r:.20}")
         writers[i] = w
 
-    # one tuple per distinct shape and per distinct list of shards, sliced in C
-    shapes = _slices(dims, ndim)
-    helds = _slices(shard_ids, nshards_of)
-    dtypes = list(map(names.__getitem__, dtype_index))
-    tensors: list[TensorMeta] = _build(
-        TensorMeta,
-        keys, dtypes, shapes, modes, helds, chunks, offsets, aliases,
-        *itertools.repeat(itertools.repeat(None), 3), writers,
-    )
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
+    tensors: list[TensorMeta] = []
     # bytes per unit of a segment's start:stop, per tensor (negative: a pack segment holds
     # the whole tensor), as the row decoder computes them
-    units = [
-        -math.prod(shape) * itemsizes[d] if mode == "pack"
-        else math.prod(shape[1:]) * itemsizes[d] if mode == "rows"
-        else itemsizes[d]
-        for mode, shape, d in zip(modes, shapes, dtype_index, strict=True)
-    ]
+    units: list[int] = []
+    at = sat = 0
+    for i in range(n):
+        k, d, mode = ndim[i], dtype_index[i], modes[i]
+        shape = tuple(dims[at : at + k])
+        shape = shapes.setdefault(shape, shape)
+        at += k
+        held = tuple(shard_ids[sat : sat + nshards_of[i]])
+        sat += nshards_of[i]
+        tensors.append(
+            TensorMeta(
+                keys[i], names[d], shape, mode, held, chunks[i], offsets[i], aliases[i],
+                writer=writers[i],
+            )
+        )
+        if mode == "pack":
+            units.append(-math.prod(shape) * itemsizes[d])
+        elif mode == "rows":
+            units.append(math.prod(shape[1:]) * itemsizes[d])
+        else:
+            units.append(itemsizes[d])
     for entry in _pairs(cols, "dist", n):
         if len(entry) != 4:
             raise CorruptionError("column 'dist' entries are [index, shape, offset, placements]")
@@ -410,26 +387,19 @@ def _decode_columns(doc: dict[str, Any]) -> tuple[tuple[TensorMeta, ...], tuple[
             raise CorruptionError(f"shard {j} refers to its own step")
         stored_in[j] = where
 
-    shard_of = list(itertools.chain.from_iterable(map(itertools.repeat, range(nshards), nsegments)))
-    # where each segment ends in its shard (a pack holds the whole tensor)
-    ends = [
-        offset + (-unit if unit < 0 else count * unit)
-        for offset, unit, count in zip(
-            seg_offset, map(units.__getitem__, seg_tensor), seg_length, strict=True
-        )
-    ]
-    over = next((j for j, end in zip(shard_of, ends, strict=True) if end > lengths[j]), None)
-    if over is not None:
-        raise CorruptionError(f"shard {over}: a segment overruns the shard")
-    everything = _build(
-        Segment, seg_tensor, seg_offset, seg_start, list(map(operator.add, seg_start, seg_length))
-    )
     shards: list[ShardMeta] = []
     at = 0
     for j in range(nshards):
         if starts[j] + lengths[j] > stream:
             raise CorruptionError(f"shard {j} lies outside the stream")
-        segments = everything[at : at + nsegments[j]]
+        segments = []
+        length = lengths[j]
+        for k in range(at, at + nsegments[j]):
+            tensor, offset, start, count = seg_tensor[k], seg_offset[k], seg_start[k], seg_length[k]
+            unit = units[tensor]
+            if offset + (-unit if unit < 0 else count * unit) > length:
+                raise CorruptionError(f"shard {j}: a segment overruns the shard")
+            segments.append(Segment(tensor, offset, start, start + count))
         at += nsegments[j]
         shards.append(
             ShardMeta(

@@ -266,22 +266,3 @@ def test_the_plan_text_travels_with_its_manifests_and_never_goes_stale() -> None
     assert renamed.column_text is m.column_text
     assert Manifest.from_json(renamed.to_json()).tensors == renamed.tensors
     assert Manifest.from_json(first).tensors == m.tensors
-
-
-def test_entries_built_from_columns_are_the_entries_the_constructor_makes() -> None:
-    from lazyckpt._manifest_columns import _build
-    from lazyckpt._manifest_entries import Segment, TensorMeta
-
-    metas = [
-        TensorMeta("a", "float32", (2, 3), "rows", (0, 1), 4, 8, None, writer=None),
-        TensorMeta("b", "int8", (), "alias", (), 0, 0, 0, (4,), (1,), ("shard(0)",), 2),
-    ]
-    columns = [[getattr(m, f) for m in metas] for f in TensorMeta.__dataclass_fields__]
-    built = _build(TensorMeta, *columns)
-    assert built == metas and [hash(b) for b in built] == [hash(m) for m in metas]
-    assert [repr(b) for b in built] == [repr(m) for m in metas]
-    with pytest.raises(AttributeError):  # still frozen
-        built[0].key = "c"  # type: ignore[misc]
-    assert _build(Segment, [1], [2], [3], [4]) == [Segment(1, 2, 3, 4)]
-    with pytest.raises(TypeError, match="4 fields"):
-        _build(Segment, [1], [2], [3])
