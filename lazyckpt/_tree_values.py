@@ -315,10 +315,10 @@ def _tensor_dict(dec: _Decoder, value: list[Any]) -> dict[Any, Any] | None:
         return None
     sizes = list(map(len, inner))
     flat = _items_of(list(itertools.chain.from_iterable(inner)))
-    if flat is None:
+    if flat is None:  # an unusual item, or no item at all
         return None
     names, leaves = flat
-    tensors = _tensors_of(dec, leaves) if leaves else []
+    tensors = _tensors_of(dec, leaves)
     if tensors is None:
         return None
     pairs = zip(names, tensors, strict=True)
