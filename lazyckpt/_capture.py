@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import hashlib
 import os
 import re
@@ -112,29 +113,99 @@ def copy_into_blocks(jobs: Sequence[CaptureJob]) -> None:
     """Copy every segment of several shards into their blocks, zero the bytes between the
     segments, then check each shard's version counters. Blocking.
 
-    The copies are issued as one ``torch._foreach_copy_`` call and the zeroing as one
-    ``torch._foreach_zero_``, not one ``copy_`` per segment: each torch call releases the
-    interpreter lock and takes it back, and every take is a hand-over that a launch-bound
-    training thread may wait for (a pack shard holds dozens of small tensors).
+    A launch-bound training thread pays for every time this thread takes the interpreter
+    lock back (docs/design.md, "Staying out of the training thread's way"), and a torch
+    view costs two to six such takes (the call releases the lock, and the view's Python
+    object is referenced and released from inside it). So a segment of a plain contiguous
+    CPU tensor is copied by address, with no torch call: a small one (up to
+    :data:`_LOCKED_COPY_BYTES`) by a memoryview assignment, which keeps the lock for the
+    few microseconds of its ``memcpy``; a larger one by one ``memmove`` that releases it.
+    Every other segment (a device tensor, a subclass, a non-contiguous tensor, a complex
+    or negated view, a shape that no longer matches the manifest: whatever the address
+    arithmetic cannot vouch for) is copied as before, by torch, in one
+    ``torch._foreach_copy_`` for the batch, which also raises what torch raises.
     """
     dests: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
-    gaps: list[torch.Tensor] = []
     for job in jobs:
-        dest = job.block.tensor()
+        block = job.block
+        view = block.memoryview()
+        base = _address(block)
         for lo, hi in job.manifest.segment_gaps(job.shard):  # so that every byte is defined
-            gaps.append(dest[lo:hi])
+            _zero(view, base, lo, hi)
         for seg in job.shard.segments:
-            part = job.manifest.shard_part(seg, dest)
-            if part.numel():
-                dests.append(part)
+            nbytes = job.manifest.segment_nbytes(seg)
+            if not nbytes:
+                continue
+            src = _source_address(job, seg, nbytes)
+            if src is None:  # torch copies it (and raises what it raises)
+                dest = block.tensor()
+                dests.append(job.manifest.shard_part(seg, dest))
                 srcs.append(source_view(job, seg))
-    if gaps:
-        torch._foreach_zero_(gaps)
+            elif nbytes <= _LOCKED_COPY_BYTES:
+                view[seg.offset : seg.offset + nbytes] = _bytes_at(src, nbytes)
+            else:
+                ctypes.memmove(base + seg.offset, src, nbytes)
     if dests:
         torch._foreach_copy_(dests, srcs)
     for job in jobs:
         check_versions(job)
+
+
+# Up to this many bytes a segment is copied without releasing the interpreter lock: a few
+# microseconds of memcpy, less than what handing the lock over and back costs the training
+# thread; above it, one lock-free memmove.
+_LOCKED_COPY_BYTES = 64 << 10
+_ZEROS = bytes(_LOCKED_COPY_BYTES)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_BY_ADDRESS_MODES = ("pack", "rows", "flat")
+
+
+def _address(block: Block) -> int:
+    """The address of a block's first byte (the arena's tensor is contiguous)."""
+    return int(block.arena.tensor.data_ptr()) + block.offset
+
+
+def _zero(view: memoryview, base: int, lo: int, hi: int) -> None:
+    n = hi - lo
+    if n <= _LOCKED_COPY_BYTES:
+        view[lo:hi] = _ZEROS[:n]
+    else:
+        ctypes.memset(base + lo, 0, n)
+
+
+def _bytes_at(address: int, nbytes: int) -> memoryview:
+    """A read-only byte view of ``nbytes`` at ``address`` (no copy, no torch call)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _source_address(job: CaptureJob, seg: Segment, nbytes: int) -> int | None:
+    """The address of a segment's bytes in its source tensor, where copying them by
+    address gives exactly what ``copy_`` of :func:`source_view` would; else None.
+
+    Only attribute reads here (``data_ptr``, ``shape``, ``dtype``, ``is_contiguous``,
+    ``_base``), none of which releases the interpreter lock; ``is_neg()`` does, so it is
+    asked of views only (the negative bit is set by making a view).
+    """
+    t = job.refs[seg.tensor].tensor
+    meta = job.manifest.tensors[seg.tensor]
+    if (
+        type(t) not in _PLAIN_TYPES
+        or meta.mode not in _BY_ADDRESS_MODES
+        or t.device.type != "cpu"
+        or t.layout != torch.strided
+        or t.dtype != meta.torch_dtype
+        or t.dtype.is_complex  # a conjugate view's bytes are not its values
+        or tuple(t.shape) != meta.shape
+        or not t.is_contiguous()
+        or (t._base is not None and t.is_neg())
+    ):
+        return None
+    offset, length = job.manifest.segment_span(seg)
+    if length != nbytes or offset + length > meta.nbytes:
+        return None
+    address = int(t.data_ptr())
+    return address + offset if address else None
 
 
 def block_checksum(block: Block) -> int:

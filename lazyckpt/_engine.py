@@ -322,15 +322,25 @@ class Engine(_Flows, _Commits, _Records):
     # -- the flight ------------------------------------------------------------------------
 
     async def _guarded(
-        self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
+        self,
+        stage: int,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        *,
+        retry: bool = True,
+        scale: int = 1,
     ) -> T:
-        """Run a tier operation of a stage through :func:`call_tier`, under the options."""
-        return await call_tier(self.stage_names[stage], what, call, self.options, retry=retry)
+        """Run a tier operation of a stage through :func:`call_tier`, under the options
+        (``scale``: the operations it does at once, see :func:`call_tier`)."""
+        return await call_tier(
+            self.stage_names[stage], what, call, self.options, retry=retry, scale=scale
+        )
 
     def _fail(self, flight: Flight, stage: int, exc: Exception) -> None:
         if flight.failed_from is None or stage < flight.failed_from:
             flight.failed_from = stage
-        if not isinstance(exc, asyncio.CancelledError):
+        # one error once: a batch's failed put_shards reaches each of its shards' flows
+        if not isinstance(exc, asyncio.CancelledError) and not any(e is exc for e in flight.errors):
             flight.errors.append(exc)
         # one warning per failed snapshot comes from _finish; the details are info
         log.info(

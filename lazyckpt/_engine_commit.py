@@ -55,7 +55,13 @@ class _Commits:
         def _fail(self, flight: Flight, stage: int, exc: Exception) -> None: ...
         def _failed_at(self, flight: Flight, stage: int) -> bool: ...
         async def _guarded(
-            self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
+            self,
+            stage: int,
+            what: str,
+            call: Callable[[], Awaitable[T]],
+            *,
+            retry: bool = True,
+            scale: int = 1,
         ) -> T: ...
         def _record(self, flight: Flight) -> None: ...
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import hooks
 from ._arena import Block, HostArena
@@ -21,13 +21,65 @@ from ._flight import Flight
 from ._incremental import Increments
 from ._manifest import LayoutOptions, ShardMeta
 from ._state import Event, StateTable, advance
-from ._tier import SupportsStaging, Tier
+from ._tier import SupportsBatchPut, SupportsStaging, Tier, puts_batches
 
 __all__ = ["_BATCH_BYTES", "_Flows"]
 
 T = TypeVar("T")
 # the bytes one CPU capture job copies (see Engine._batch_limit)
 _BATCH_BYTES = 64 << 20
+
+
+class _PutGroup:
+    """The shards of one capture batch on their way to the first durable tier: one
+    ``put_shards`` call for those that get there (:class:`~lazyckpt._tier.SupportsBatchPut`).
+
+    Each shard's flow either hands its data in (:meth:`put`, then waits for the call) or
+    leaves (:meth:`leave`: it failed, its bytes are reused, the stage failed, or the flow
+    ended some other way); once every member has done one or the other, the call starts,
+    on a task of the flight's task group, so that no member's own exit path runs it.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        members: Sequence[int],
+        run: Callable[[_PutGroup], Coroutine[Any, Any, None]],
+        tg: asyncio.TaskGroup,
+    ) -> None:
+        self.stage = stage
+        self.waiting = set(members)
+        self.shards: list[ShardMeta] = []
+        self.data: list[memoryview] = []
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # an error is delivered to every member that waits; if none does, it is not lost
+        # (the members that left have failed the stage already) and must not be reported
+        self.done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._run = run
+        self._tg = tg
+
+    async def put(self, i: int, shard: ShardMeta, data: memoryview) -> None:
+        self.shards.append(shard)
+        self.data.append(data)
+        self._arrived(i)
+        await asyncio.shield(self.done)
+
+    def leave(self, i: int) -> None:
+        """This member will not put (idempotent; a no-op once it has)."""
+        if i in self.waiting:
+            self._arrived(i)
+
+    def _arrived(self, i: int) -> None:
+        self.waiting.discard(i)
+        if self.waiting or self.done.done():
+            return
+        if not self.shards:
+            self.done.set_result(None)
+            return
+        try:
+            self._tg.create_task(self._run(self))
+        except RuntimeError:  # the task group is shutting down: every flow is cancelled
+            self.done.cancel()
 
 
 class _Flows:
@@ -54,7 +106,13 @@ class _Flows:
         def _fail(self, flight: Flight, stage: int, exc: Exception) -> None: ...
         def _failed_at(self, flight: Flight, stage: int) -> bool: ...
         async def _guarded(
-            self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
+            self,
+            stage: int,
+            what: str,
+            call: Callable[[], Awaitable[T]],
+            *,
+            retry: bool = True,
+            scale: int = 1,
         ) -> T: ...
         async def _commit(self, flight: Flight, stage: int) -> None: ...
         def _resolve(self, flight: Flight, stage: int) -> None: ...
@@ -138,10 +196,11 @@ class _Flows:
                 self._captured(flight, i)
             sums = await self._checksum_batch(flight, batch)
             loop = asyncio.get_running_loop()
+            group = self._put_group(flight, tg, batch)
             for k, (i, block) in enumerate(batch):
                 ready: asyncio.Future[tuple[int, str | None] | None] = loop.create_future()
                 ready.set_result(None if sums is None else sums[k])
-                tg.create_task(self._persist(flight, i, m.shards[i], block, ready, t0))
+                tg.create_task(self._persist(flight, i, m.shards[i], block, ready, t0, group))
                 handed += 1
         finally:
             for _, block in batch[handed:]:  # cancelled before its shards were handed on
@@ -156,8 +215,10 @@ class _Flows:
         block: Block,
         sums_of: Awaitable[tuple[int, str | None] | None],
         t0: float,
+        group: _PutGroup | None = None,
     ) -> None:
-        """A captured shard: its checksum, the host tier, then each durable tier in turn."""
+        """A captured shard: its checksum, the host tier, then each durable tier in turn
+        (on ``group``'s stage, in one call with the other shards of its batch)."""
         m = flight.manifest
         # from here on this flow holds the block until a tier has it or the flow ends, however
         # it ends (a failed checksum, an error, the task group cancelling it): the finally
@@ -191,6 +252,14 @@ class _Flows:
                     if self.increments.reuse(flight, k, i):
                         # the tier holds these very bytes already: the manifest refers to them
                         self.tier_reused[self.stage_names[k]] += shard.length
+                        if group is not None:
+                            group.leave(i)
+                    elif group is not None and k == group.stage:
+                        # the first durable stage: the block is still held (nothing could
+                        # evict it before), and the batch goes down in one call
+                        assert holding, "a batch's blocks are held until its first durable tier"
+                        await group.put(i, shard, block.memoryview())
+                        hooks.point("tier.put.done")
                     else:
                         # the turn on the tier first, then the block: a shard queued behind
                         # a slow tier holds no arena space it does not need yet
@@ -226,12 +295,53 @@ class _Flows:
                 if flight.persisted[k] == len(m.shards):
                     await self._commit(flight, k)
         finally:
+            if group is not None:  # the batch's call must not wait for this flow
+                group.leave(i)
             if holding and adopted is not None and self.host_last:
                 flight.kept.append(block)  # held until the host tier commits the snapshot
             elif holding:
                 self._release(block, adopted)
             if adopted is None:  # nobody keeps staging blocks once the shard is through
                 self.arena.discard(block)
+
+    def _put_group(
+        self, flight: Flight, tg: asyncio.TaskGroup, batch: Sequence[tuple[int, Block]]
+    ) -> _PutGroup | None:
+        """A :class:`_PutGroup` for a batch whose first durable tier takes batches; None
+        where it does not (or the batch is one shard): then each shard puts on its own."""
+        stages = self._durable_stages()
+        if len(batch) < 2 or not stages or not puts_batches(self.tier_of(stages[0])):
+            return None
+        return _PutGroup(stages[0], [i for i, _ in batch], partial(self._put_batch, flight), tg)
+
+    async def _put_batch(self, flight: Flight, group: _PutGroup) -> None:
+        """One ``put_shards`` call for the shards of a batch that reached the tier, under
+        the tier's turn, deadline (once per shard) and retries; its outcome goes to every
+        member."""
+        k = group.stage
+        tier = self.tier_of(k)
+        assert isinstance(tier, SupportsBatchPut)
+        shards, data = group.shards, group.data
+        order = sorted(range(len(shards)), key=lambda j: shards[j].offset)
+        shards, data = [shards[j] for j in order], [data[j] for j in order]
+        what = f"put shards {', '.join(str(s.index) for s in shards)}"
+        try:
+            async with self._tier_sems[k]:
+                t0 = time.perf_counter()
+                await self._guarded(
+                    k,
+                    what,
+                    partial(tier.put_shards, flight.manifest, shards, data),
+                    scale=len(shards),
+                )
+                self._count(k, sum(s.length for s in shards), time.perf_counter() - t0)
+        except Exception as exc:
+            group.done.set_exception(exc)
+        except BaseException:
+            group.done.cancel()
+            raise
+        else:
+            group.done.set_result(None)
 
     async def _checksum_batch(
         self, flight: Flight, batch: Sequence[tuple[int, Block]]

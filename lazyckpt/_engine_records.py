@@ -52,7 +52,13 @@ class _Records:
 
         def tier_of(self, stage: int) -> Tier: ...
         async def _guarded(
-            self, stage: int, what: str, call: Callable[[], Awaitable[T]], *, retry: bool = True
+            self,
+            stage: int,
+            what: str,
+            call: Callable[[], Awaitable[T]],
+            *,
+            retry: bool = True,
+            scale: int = 1,
         ) -> T: ...
         def _release(self, block: Block, adopted: Block | None) -> None: ...
 

@@ -18,7 +18,7 @@ import abc
 import contextlib
 import errno
 import re
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Retention",
+    "SupportsBatchPut",
     "SupportsBlockRead",
+    "SupportsChecksummedRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
     "SupportsReferences",
@@ -48,6 +50,7 @@ __all__ = [
     "available_tiers",
     "backend_errors",
     "load_tier",
+    "puts_batches",
     "translate_os_error",
 ]
 
@@ -253,6 +256,40 @@ class SupportsStaging(Protocol):
 
 
 @runtime_checkable
+class SupportsBatchPut(Protocol):
+    """A tier that stores several shards of one snapshot in one call.
+
+    The engine hands a durable tier the shards that were captured together (up to 64 MiB)
+    in one :meth:`put_shards` instead of one :meth:`Tier.put_shard` each: one job for the
+    tier's I/O thread and one wake-up of the engine's loop for the lot, which is what a
+    launch-bound training thread pays for (docs/design.md, "Staying out of the training
+    thread's way"). It is used on the first durable tier of a chain only, and only where
+    the class that defines ``put_shards`` also defines the ``put_shard`` in effect: a
+    subclass that overrides ``put_shard`` alone still gets every shard through it.
+    """
+
+    async def put_shards(
+        self, manifest: Manifest, shards: Sequence[ShardMeta], data: Sequence[memoryview]
+    ) -> None:
+        """Store ``data[j]`` as ``shards[j]`` for every ``j``, as :meth:`Tier.put_shard` of
+        each would: when it returns, every one is as durable as ``put_shard`` leaves a
+        shard. When it raises, any of them may be stored or not; the engine then retries
+        the whole call or fails the snapshot on this tier. Do not keep ``data``."""
+
+
+def puts_batches(tier: object) -> bool:
+    """Whether the engine hands ``tier`` batches of shards (:class:`SupportsBatchPut`):
+    only where ``put_shards`` is defined by the class defining the ``put_shard`` in effect,
+    or a subclass of it (a subclass overriding ``put_shard`` alone keeps it in use)."""
+    if not isinstance(tier, SupportsBatchPut):
+        return False
+    mro = type(tier).__mro__
+    owner = {name: next((c for c in mro if name in vars(c)), None) for name in ("put_shard", "put_shards")}
+    batch, single = owner["put_shards"], owner["put_shard"]
+    return batch is not None and single is not None and issubclass(batch, single)
+
+
+@runtime_checkable
 class SupportsGlobalCommit(Protocol):
     """A tier that can hold a snapshot written by several ranks.
 
@@ -285,6 +322,33 @@ class SupportsBlockRead(Protocol):
 
     def return_shard(self, block: Block) -> None:
         """Drop the hold :meth:`borrow_shard` took."""
+        ...
+
+
+@runtime_checkable
+class SupportsChecksummedRead(Protocol):
+    """A tier that computes a shard's crc32c while it reads it (the file tier).
+
+    Reading a shard and then checksumming it reads every byte twice, the second time from
+    memory after it has left the cache; a tier with this capability checksums each piece as
+    soon as it has landed in ``out``, on the thread that read it, and returns the whole
+    shard's crc32c (:func:`crc32c_combine` joins the pieces' checksums). The reader compares
+    it with the manifest's, as for any tier: the checksum must be computed over the bytes
+    in ``out`` after they landed there (not taken from the stored copy's metadata), so that
+    it still checks the copy end to end.
+
+    ``read_alignment`` says where ``out`` should start for the tier to read into it without
+    a copy (a file read with ``O_DIRECT`` needs block-aligned memory): a restore allocates
+    the tensors it creates at that alignment. 1 means any address.
+    """
+
+    read_alignment: int
+
+    async def read_shard_checksummed(
+        self, manifest: Manifest, shard: ShardMeta, out: memoryview
+    ) -> int:
+        """Fill ``out`` as :meth:`Tier.read_shard` does and return the crc32c of the bytes
+        that landed in it."""
         ...
 
 

@@ -38,6 +38,7 @@ async def call_tier(
     policy: RetryPolicy,
     *,
     retry: bool = True,
+    scale: int = 1,
 ) -> T:
     """Run one operation on a tier under the policy's deadline, retrying transient failures
     (a broken backend, a missed deadline) with jittered exponential back-off, and
@@ -51,6 +52,8 @@ async def call_tier(
         policy: ``deadline`` (seconds per attempt, None for none), ``retries`` and
             ``retry_backoff`` (the first back-off, doubled for each retry).
         retry: False runs it once (an operation that must not be repeated).
+        scale: how many operations the call does at once (several shards in one
+            ``put_shards``): the deadline is that many times the policy's.
 
     Raises:
         DeadlineExceededError: the last attempt took longer than the deadline.
@@ -59,9 +62,10 @@ async def call_tier(
     """
     attempts = 1 + (policy.retries if retry else 0)
     delay = policy.retry_backoff
+    deadline = None if policy.deadline is None else policy.deadline * max(1, scale)
     for attempt in range(1, attempts + 1):
         try:
-            return await _call_once(tier, what, call, policy.deadline)
+            return await _call_once(tier, what, call, deadline)
         except (TierBrokenError, DeadlineExceededError) as exc:
             if attempt == attempts:
                 raise

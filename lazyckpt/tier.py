@@ -14,8 +14,13 @@ the optional capability protocols, checked with ``isinstance``:
   restores, replicated tensors written once).
 - :class:`SupportsReferences`: the tier stores incremental snapshots (a shard may be read
   from an earlier step's stored data; retention keeps what committed steps refer to).
+- :class:`SupportsBatchPut`: the tier stores several shards of a snapshot in one
+  ``put_shards`` call (the engine hands the first durable tier each capture batch at once).
 - :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
   copying it out (restores into device tensors straight from pinned memory).
+- :class:`SupportsChecksummedRead`: the tier computes a shard's crc32c while reading it,
+  piece by piece as the bytes land (the file tier); :func:`crc32c_combine` joins the pieces'
+  checksums.
 - :class:`SupportsRendezvous`: the tier meets the same tier on the other ranks once, after
   ``open()``, through an ``all_gather`` over lazyckpt's own process group (a tier keeping
   replicas on peers: :func:`node_identity`, :func:`place_replicas`).
@@ -32,6 +37,7 @@ the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier` and
 from __future__ import annotations
 
 from ._arena import Block, HostArena
+from ._crc import crc32c_combine
 from ._errors import (
     ConfigurationError,
     CorruptionError,
@@ -50,7 +56,9 @@ from ._state import TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,
     Retention,
+    SupportsBatchPut,
     SupportsBlockRead,
+    SupportsChecksummedRead,
     SupportsGlobalCommit,
     SupportsRankManifests,
     SupportsReferences,
@@ -79,7 +87,9 @@ __all__ = [
     "Segment",
     "ShardMeta",
     "SnapshotNotFoundError",
+    "SupportsBatchPut",
     "SupportsBlockRead",
+    "SupportsChecksummedRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
     "SupportsReferences",
@@ -94,6 +104,7 @@ __all__ = [
     "TierLevel",
     "available_tiers",
     "backend_errors",
+    "crc32c_combine",
     "load_tier",
     "node_identity",
     "place_replicas",

@@ -1,25 +1,19 @@
 """Positional file I/O of FileTier: pieces written with ``pwrite`` (through an aligned bounce
-buffer where ``O_DIRECT`` needs one) and read with ``preadv`` side by side."""
+buffer where ``O_DIRECT`` needs one). Reading is ``_file_read``."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import mmap
 import os
-import threading
-from pathlib import Path
-
-from lazyckpt.tier import CorruptionError, ShardMeta
+from collections.abc import Sequence
 
 __all__ = [
     "ALIGN",
     "address",
-    "close_after",
-    "open_for_reading",
     "probe_direct",
     "pwrite",
-    "read_piece",
+    "pwrite_many",
 ]
 
 ALIGN = 4096
@@ -33,6 +27,44 @@ def pwrite(fd: int, direct: bool, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
+
+
+def pwrite_many(fd: int, direct: bool, data: Sequence[memoryview], offsets: Sequence[int]) -> None:
+    """Write each ``data[j]`` at ``offsets[j]``: each run of adjacent buffers with one
+    ``pwritev`` (one release of the interpreter lock for the run), a buffer that
+    ``O_DIRECT`` cannot take as it is (unaligned address or length) with :func:`pwrite`."""
+    j = 0
+    while j < len(data):
+        run = [data[j]]
+        end = offsets[j] + len(data[j])
+        while (
+            j + len(run) < len(data)
+            and offsets[j + len(run)] == end
+            and _vectorable(direct, run[-1])
+            and _vectorable(direct, data[j + len(run)])
+        ):
+            end += len(data[j + len(run)])
+            run.append(data[j + len(run)])
+        if len(run) == 1:
+            pwrite(fd, direct, run[0], offsets[j])
+        else:
+            _pwritev(fd, direct, run, offsets[j])
+        j += len(run)
+
+
+def _vectorable(direct: bool, view: memoryview) -> bool:
+    return not direct or (len(view) % ALIGN == 0 and address(view) % ALIGN == 0)
+
+
+def _pwritev(fd: int, direct: bool, run: list[memoryview], offset: int) -> None:
+    """All of ``run`` from ``offset`` on; what a short write leaves, :func:`pwrite` writes
+    buffer by buffer."""
+    done = os.pwritev(fd, run, offset)
+    for view in run:
+        if done < len(view):
+            pwrite(fd, direct, view[done:], offset + done)
+        done = max(0, done - len(view))
+        offset += len(view)
 
 
 def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
@@ -56,48 +88,6 @@ def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
                     done += os.pwrite(fd, view[done:], offset + done)
             finally:
                 view.release()
-
-
-def open_for_reading(path: Path) -> int:
-    """A descriptor of ``path`` for reading; a missing file is :class:`CorruptionError`
-    (a committed step's data file is missing)."""
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CorruptionError(f"{path} is missing") from None
-
-
-def close_after(fd: int, futures: list[concurrent.futures.Future[None]]) -> None:
-    """Close ``fd`` once every future is done: a piece still reading when the restore is
-    cancelled would otherwise read from a closed (or, worse, reused) descriptor."""
-    if not futures:
-        os.close(fd)
-        return
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: object) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            os.close(fd)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-
-
-def read_piece(
-    fd: int, path: Path, shard: ShardMeta, out: memoryview, start: int, piece: int
-) -> None:
-    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) into ``out``."""
-    stop = min(start + piece, shard.length)
-    done = start
-    while done < stop:
-        n = os.preadv(fd, [out[done:stop]], shard.offset + done)
-        if n == 0:
-            raise CorruptionError(f"{path} is truncated: shard {shard.index} ends past the file")
-        done += n
 
 
 def probe_direct(fd: int) -> None:
