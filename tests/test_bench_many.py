@@ -45,6 +45,7 @@ def test_many_tensors_quick(tmp_path: Path) -> None:
                     "snapshot_calls_per_tensor"):
             assert _positive(r[key]), (key, r[key])
         assert _positive(r["snapshot_warm_us_per_tensor"]["median"])
+        assert _positive(r["snapshot_warm_cpu_us_per_tensor"]["median"])
         assert len(r["snapshot_warm_gc"]["collections_per_call"]) == 3
         assert _positive(r["dcp"]["save_plan_s"]) and _positive(r["dcp"]["metadata_bytes"])
     # the manifest grows with the count
