@@ -4,7 +4,8 @@ A restore (eager, lazy, resharding, or straight into device tensors), ``verify()
 engine's re-fetch of an evicted shard and the command line all read a shard the same way:
 from one tier (:func:`read_copy`), or from the first of several tiers that holds a good
 copy (:func:`read_verified`, or :func:`lend_verified` for a tier that lends its blocks),
-checking its crc32c against the manifest. Which tier is tried next is the restore state
+checking its crc32c against the manifest (computed while reading, by a tier that can:
+``SupportsChecksummedRead``). Which tier is tried next is the restore state
 table's decision (``_state.RESTORE_TABLE``): PENDING, READING, then VERIFIED, or PENDING
 again after a bad copy, or EXHAUSTED when no tier is left, which raises a
 :class:`CorruptionError` naming the shard's tensors and every tier tried.
@@ -28,7 +29,7 @@ from ._arena import Block
 from ._errors import CorruptionError, SnapshotNotFoundError, TierError
 from ._manifest import Manifest, ShardMeta
 from ._state import RestoreEvent, RestoreState, advance_restore
-from ._tier import SupportsBlockRead, Tier
+from ._tier import SupportsBlockRead, SupportsChecksummedRead, Tier
 
 __all__ = [
     "Checksum",
@@ -101,11 +102,21 @@ async def read_copy(
 ) -> None:
     """Read ``tier``'s copy of ``shard`` into ``out`` (exactly ``shard.length`` bytes) and
     check it. Raises :class:`CorruptionError` for a bad or missing copy, the tier's
-    :class:`TierError` when the tier fails."""
-    if read is None:
-        await tier.read_shard(manifest, shard, out)
-    else:
+    :class:`TierError` when the tier fails.
+
+    A tier that checksums while it reads (:class:`SupportsChecksummedRead`) returns the
+    crc32c of the bytes as they landed in ``out``, piece by piece while they are in the
+    cache: one pass over the bytes instead of two. Any other tier's copy is checksummed
+    afterwards by ``checksum``. A caller's own ``read`` (the engine's deadline and retries)
+    takes the second way."""
+    if read is not None:
         await read(tier, out)
+    elif isinstance(tier, SupportsChecksummedRead):
+        crc = await tier.read_shard_checksummed(manifest, shard, out)
+        check_copy(manifest, shard, crc, tier.name)
+        return
+    else:
+        await tier.read_shard(manifest, shard, out)
     check_copy(manifest, shard, await checksum(out), tier.name)
 
 

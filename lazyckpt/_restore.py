@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import mmap
+import sys
 import warnings
 from collections.abc import (
     Awaitable,
@@ -53,7 +55,7 @@ from ._gc import collector_paused
 from ._manifest import Manifest, ShardMeta, TensorMeta
 from ._restore_into import _mismatch, apply_into
 from ._restore_keys import WRAPPER_PREFIXES, align_into, strip_prefix
-from ._tier import Tier
+from ._tier import SupportsChecksummedRead, Tier
 from ._tree import _escape, decode_tree, walk_state
 from ._verify_step import VerifyReport, verify_step
 
@@ -98,14 +100,113 @@ def _empty(meta: TensorMeta) -> torch.Tensor:
         return torch.empty(meta.shape, dtype=dtype)
 
 
+_HUGE_PAGE = 2 << 20
+# from this size a new tensor is allocated at the tiers' read alignment: below it, the bounce
+# copy of a direct read costs less than what the alignment adds to the tensor's storage
+_ALIGNED_FROM = 1 << 20
+
+
+def _new_tensor(meta: TensorMeta, align: int) -> torch.Tensor:
+    """A new tensor for ``meta``, empty: where it is at least ``_ALIGNED_FROM`` bytes, its
+    bytes start at a multiple of ``align`` (the tiers' read alignment: a read past the page
+    cache then lands in it without a copy; its storage is then up to ``align`` bytes longer
+    than the tensor), and it asks for transparent huge pages, before anything touches it.
+
+    Why: the new pages' faults are most of what a restore into new tensors costs beyond
+    the read itself. On a 2-vCPU VM a cold 256 MiB read into new 4 KiB pages cost 0.22
+    CPU-s, into new huge pages 0.06 (docs/design.md, "Reading a shard back, cold")."""
+    nbytes = meta.nbytes
+    if nbytes < _ALIGNED_FROM:
+        return _empty(meta)
+    if align <= 1:
+        tensor = _empty(meta)
+    else:
+        raw = torch.empty(nbytes + align, dtype=torch.uint8)
+        skip = -raw.data_ptr() % align
+        if skip % meta.itemsize:  # an allocator aligning less than the item size: plain
+            return _empty(meta)
+        flat = raw[skip : skip + nbytes]
+        if meta.torch_dtype is torch.complex32:
+            with warnings.catch_warnings():  # see _empty
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = flat.view(meta.torch_dtype).view(meta.shape)
+        else:
+            tensor = flat.view(meta.torch_dtype).view(meta.shape)
+    _advise_huge_pages(tensor.data_ptr(), nbytes)
+    return tensor
+
+
+def _advise_huge_pages(start: int, nbytes: int) -> None:
+    """Ask for transparent huge pages on the whole 2 MiB pages inside ``[start, start +
+    nbytes)`` (``madvise(MADV_HUGEPAGE)``; Linux only, and only a hint: memory already
+    touched, or a kernel with them off, keeps its pages)."""
+    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    hi = (start + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if hi > lo and _madvise is not None:
+        _madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
+
+
+def _libc_madvise() -> Any:
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return call
+
+
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_madvise = _libc_madvise()
+
+
+def _read_alignment(sources: Sequence[Tier]) -> int:
+    """The largest read alignment the tiers ask for (:class:`SupportsChecksummedRead`)."""
+    return max(
+        (t.read_alignment for t in sources if isinstance(t, SupportsChecksummedRead)), default=1
+    )
+
+
+class _Buffers:
+    """The buffers shards that are not read in place (packed small tensors, or a chunk of a
+    target that is not contiguous host memory) are read into: kept for the next shard
+    instead of freed, so that their pages are faulted in once per restore, not once per
+    shard, and allocated at the tiers' read alignment (a read past the page cache lands in
+    them directly)."""
+
+    def __init__(self, align: int, keep: int) -> None:
+        self.align = max(align, 1)
+        self.keep = keep
+        self.free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes; give it back with :meth:`give`."""
+        for i, buf in enumerate(self.free):
+            if buf.numel() >= nbytes:
+                return self.free.pop(i)
+        raw = torch.empty(nbytes + self.align, dtype=torch.uint8)
+        skip = -raw.data_ptr() % self.align
+        return raw[skip : skip + nbytes]
+
+    def give(self, buf: torch.Tensor) -> None:
+        if len(self.free) < self.keep:
+            self.free.append(buf)
+
+
 class _Destinations:
-    """Where each tensor of the manifest goes."""
+    """Where each tensor of the manifest goes; ``align``: see :func:`_new_tensor`."""
 
     def __init__(
-        self, manifest: Manifest, into: Any, map_location: torch.device | str | None
+        self,
+        manifest: Manifest,
+        into: Any,
+        map_location: torch.device | str | None,
+        align: int = 1,
     ) -> None:
         self.manifest = manifest
         self.device = torch.device(map_location) if map_location is not None else None
+        self.buffers = _Buffers(align, keep=4)
         targets: dict[str, torch.Tensor] = {}
         self.wrappers: dict[int, torch.Tensor] = {}  # tensor index -> DTensor target
         # tensor index -> the into= tensor itself: returned as it is, so that apply_into
@@ -139,7 +240,7 @@ class _Destinations:
                 direct = final.device.type == "cpu" and final.is_contiguous()
                 staging = final if direct else _empty(meta)
             else:
-                staging = _empty(meta)
+                staging = _new_tensor(meta, align) if meta.mode != "pack" else _empty(meta)
                 final = staging
             self.final.append(final)
             self.staging.append(staging)
@@ -180,27 +281,37 @@ async def _restore_shard(
         assert staging is not None
         start, nbytes = manifest.segment_span(seg)
         direct = byte_view(staging)[start : start + nbytes]
-    buffer = None
-    if direct is None:
-        buffer = torch.empty(shard.length, dtype=torch.uint8)
-        out = byte_view(buffer)
-    else:
-        out = direct
-    await read_verified(manifest, shard, sources, out, checksum=checksum, problems=problems)
-    if buffer is not None:
-        tensors, all_staging = manifest.tensors, dests.staging
-        base = buffer.data_ptr()
-        for seg in shard.segments:
-            meta = tensors[seg.tensor]
-            staging = all_staging[seg.tensor]
-            assert staging is not None
-            if meta.mode == "pack":  # the usual case, thousands per shard
-                # a staging tensor is contiguous host memory of the tensor's size, and the
-                # manifest's decoder checked that the segment lies inside the shard: one
-                # memmove, where three tensor operations cost some 10 µs per tiny tensor
-                ctypes.memmove(staging.data_ptr(), base + seg.offset, staging.nbytes)
-                continue
-            manifest.tensor_part(seg, staging).copy_(manifest.shard_part(seg, buffer))
+    if direct is not None:
+        await read_verified(manifest, shard, sources, direct, checksum=checksum, problems=problems)
+        return
+    whole = dests.buffers.take(shard.length)
+    try:
+        buffer = whole[: shard.length]
+        await read_verified(
+            manifest, shard, sources, byte_view(buffer), checksum=checksum, problems=problems
+        )
+        _unpack(manifest, shard, buffer, dests)
+    finally:
+        dests.buffers.give(whole)
+
+
+def _unpack(
+    manifest: Manifest, shard: ShardMeta, buffer: torch.Tensor, dests: _Destinations
+) -> None:
+    """Copy each segment of a shard read into ``buffer`` to its staging tensor."""
+    tensors, all_staging = manifest.tensors, dests.staging
+    base = buffer.data_ptr()
+    for seg in shard.segments:
+        meta = tensors[seg.tensor]
+        staging = all_staging[seg.tensor]
+        assert staging is not None
+        if meta.mode == "pack":  # the usual case, thousands per shard
+            # a staging tensor is contiguous host memory of the tensor's size, and the
+            # manifest's decoder checked that the segment lies inside the shard: one
+            # memmove, where three tensor operations cost some 10 µs per tiny tensor
+            ctypes.memmove(staging.data_ptr(), base + seg.offset, staging.nbytes)
+            continue
+        manifest.tensor_part(seg, staging).copy_(manifest.shard_part(seg, buffer))
 
 
 async def restore_state(
@@ -219,7 +330,7 @@ async def restore_state(
         decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
     with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
         manifest = align_into(manifest, into)
-        dests = _Destinations(manifest, into, map_location)
+        dests = _Destinations(manifest, into, map_location, _read_alignment(sources))
     problems: list[Exception] = []
     shards: Sequence[ShardMeta] = manifest.shards
     if any(t is not None and t.device.type == "cuda" for t in dests.final):
@@ -262,7 +373,7 @@ async def restore_lazily(
     if manifest.pickled and not allow_pickle:
         decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
     manifest = align_into(manifest, into)
-    dests = _Destinations(manifest, into, map_location)
+    dests = _Destinations(manifest, into, map_location, _read_alignment(sources))
     if any(t is not None and t.device.type == "cuda" for t in dests.final):
         return None
     later = {_escape(str(k)) for k in deferred}
@@ -328,6 +439,8 @@ async def _read_shards(
                 tg.create_task(one(shard))
     except ExceptionGroup as group:
         raise first_error(group) from None
+    finally:
+        dests.buffers.free.clear()  # not held while a lazy restore waits for its second part
 
 
 def _finish_some(dests: _Destinations, out: list[Any], indices: Collection[int]) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "Retention",
     "SupportsBatchPut",
     "SupportsBlockRead",
+    "SupportsChecksummedRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
     "SupportsReferences",
@@ -321,6 +322,33 @@ class SupportsBlockRead(Protocol):
 
     def return_shard(self, block: Block) -> None:
         """Drop the hold :meth:`borrow_shard` took."""
+        ...
+
+
+@runtime_checkable
+class SupportsChecksummedRead(Protocol):
+    """A tier that computes a shard's crc32c while it reads it (the file tier).
+
+    Reading a shard and then checksumming it reads every byte twice, the second time from
+    memory after it has left the cache; a tier with this capability checksums each piece as
+    soon as it has landed in ``out``, on the thread that read it, and returns the whole
+    shard's crc32c (:func:`crc32c_combine` joins the pieces' checksums). The reader compares
+    it with the manifest's, as for any tier: the checksum must be computed over the bytes
+    in ``out`` after they landed there (not taken from the stored copy's metadata), so that
+    it still checks the copy end to end.
+
+    ``read_alignment`` says where ``out`` should start for the tier to read into it without
+    a copy (a file read with ``O_DIRECT`` needs block-aligned memory): a restore allocates
+    the tensors it creates at that alignment. 1 means any address.
+    """
+
+    read_alignment: int
+
+    async def read_shard_checksummed(
+        self, manifest: Manifest, shard: ShardMeta, out: memoryview
+    ) -> int:
+        """Fill ``out`` as :meth:`Tier.read_shard` does and return the crc32c of the bytes
+        that landed in it."""
         ...
 
 

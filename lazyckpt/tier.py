@@ -18,6 +18,9 @@ the optional capability protocols, checked with ``isinstance``:
   ``put_shards`` call (the engine hands the first durable tier each capture batch at once).
 - :class:`SupportsBlockRead`: the tier lends the host block holding a shard instead of
   copying it out (restores into device tensors straight from pinned memory).
+- :class:`SupportsChecksummedRead`: the tier computes a shard's crc32c while reading it,
+  piece by piece as the bytes land (the file tier); :func:`crc32c_combine` joins the pieces'
+  checksums.
 - :class:`SupportsRendezvous`: the tier meets the same tier on the other ranks once, after
   ``open()``, through an ``all_gather`` over lazyckpt's own process group (a tier keeping
   replicas on peers: :func:`node_identity`, :func:`place_replicas`).
@@ -34,6 +37,7 @@ the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier` and
 from __future__ import annotations
 
 from ._arena import Block, HostArena
+from ._crc import crc32c_combine
 from ._errors import (
     ConfigurationError,
     CorruptionError,
@@ -54,6 +58,7 @@ from ._tier import (
     Retention,
     SupportsBatchPut,
     SupportsBlockRead,
+    SupportsChecksummedRead,
     SupportsGlobalCommit,
     SupportsRankManifests,
     SupportsReferences,
@@ -84,6 +89,7 @@ __all__ = [
     "SnapshotNotFoundError",
     "SupportsBatchPut",
     "SupportsBlockRead",
+    "SupportsChecksummedRead",
     "SupportsGlobalCommit",
     "SupportsRankManifests",
     "SupportsReferences",
@@ -98,6 +104,7 @@ __all__ = [
     "TierLevel",
     "available_tiers",
     "backend_errors",
+    "crc32c_combine",
     "load_tier",
     "node_identity",
     "place_replicas",

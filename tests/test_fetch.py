@@ -12,6 +12,7 @@ import lazyckpt
 from lazyckpt import CorruptionError, Manifest, SnapshotNotFoundError, Tier
 from lazyckpt._fetch import find_step, latest_step, lend_verified, read_verified
 from lazyckpt.testing import FaultyTier, build_snapshot
+from lazyckpt.tier import SupportsChecksummedRead
 from tiers import FileTier, HostMemoryTier
 
 STATE = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(7)}
@@ -119,9 +120,14 @@ async def test_the_latest_step_and_where_it_is(tmp_path: Path) -> None:
         latest_step([], "here")
 
 
-def test_restore_and_verify_checksum_on_the_checksum_pool(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_restore_and_verify_checksum_on_the_checksum_pool(tmp_path: Path, fused: bool) -> None:
+    """A tier that checksums while reading (FileTier) leaves the checksum pool idle; any
+    other tier's copies are checksummed on the pool, one call per shard read."""
     weights = torch.randn(20_000)
-    with lazyckpt.SyncCheckpointer([FileTier(tmp_path)], shard_size=1 << 14) as ckpt:
+    tier: Tier = FileTier(tmp_path) if fused else FaultyTier(FileTier(tmp_path))
+    assert isinstance(tier, SupportsChecksummedRead) == fused
+    with lazyckpt.SyncCheckpointer([tier], shard_size=1 << 14) as ckpt:
         ckpt.snapshot({"w": weights}, step=1).wait()
         pool = ckpt._core.engine.checksums
         calls = 0
@@ -138,7 +144,7 @@ def test_restore_and_verify_checksum_on_the_checksum_pool(tmp_path: Path) -> Non
     assert torch.equal(restored["w"], weights)
     assert report.ok and report.shards > 1
     # one checksum per shard read by the restore, one per shard read by verify()
-    assert calls == 2 * report.shards
+    assert calls == (0 if fused else 2 * report.shards)
 
 
 def test_the_engine_thread_starts_at_open_and_ends_at_close(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def test_public_names_are_exported() -> None:
 # may import modules of its own layer or of a lower one, never of a higher one; imports
 # inside functions and under TYPE_CHECKING count like any other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "hooks", "_loop", "_progress", "_gc"),
+    ("_errors", "hooks", "_loop", "_progress", "_gc", "_crc"),
     (
         "_dist", "_tree_values", "_tree", "_manifest_entries", "_manifest_columns", "_manifest",
         "_options", "_state", "_arena", "_metrics", "_distributed",

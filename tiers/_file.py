@@ -67,16 +67,9 @@ from lazyckpt.tier import (
     backend_errors,
 )
 
-from ._file_io import (
-    ALIGN,
-    close_after,
-    open_for_reading,
-    probe_direct,
-    pwrite,
-    pwrite_many,
-    read_piece,
-)
+from ._file_io import ALIGN, address, probe_direct, pwrite, pwrite_many
 from ._file_location import MANIFEST, MARKER, RETIRED, STEP_DIR, marker_document, survey
+from ._file_read import close_after, combine, open_shard, read_piece
 from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
 
 __all__ = ["FileTier"]
@@ -109,6 +102,12 @@ class FileTier(Tier):
             Measured here, O_DIRECT cost about a fifth of the CPU time of buffered writes
             per GiB, which is what a training process shares its cores with.
         keep_last, keep_every: retention (see :class:`lazyckpt.Retention`).
+        read_direct: read shards whose bytes are not in the page cache with ``O_DIRECT``
+            (where the file system accepts it): the disk writes into the destination, the
+            kernel neither fills nor copies cache pages. Measured on a 2-vCPU VM, a cold
+            read cost about a sixth of the CPU time of a buffered one, and was faster.
+            Cached bytes (a restore just after a buffered write) are read through the
+            cache either way. ``False`` always reads through the page cache.
         readonly: only read (a restore, an inspection): ``open()`` then creates, deletes and
             locks nothing, a missing root is :class:`~lazyckpt.SnapshotNotFoundError`, and
             writing is refused. A reader works beside a running writer.
@@ -131,6 +130,7 @@ class FileTier(Tier):
         keep_last: int | None = None,
         keep_every: int | None = None,
         readonly: bool = False,
+        read_direct: bool = True,
     ) -> None:
         super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
         self.readonly = readonly
@@ -147,6 +147,10 @@ class FileTier(Tier):
         self.root = Path(root)
         self.direct = direct
         self.piece_bytes = piece_bytes
+        self.read_direct = read_direct
+        # a restore allocates the tensors it creates at this alignment, so that a direct
+        # read lands in them without a bounce copy (SupportsChecksummedRead)
+        self.read_alignment = ALIGN if read_direct else 1
         self._io_threads = io_threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._read_threads = read_threads
@@ -528,6 +532,18 @@ class FileTier(Tier):
         return self._read_pool
 
     async def read_shard(self, manifest: Manifest, shard: ShardMeta, out: memoryview) -> None:
+        await self._read(manifest, shard, out, checksum=False)
+
+    async def read_shard_checksummed(
+        self, manifest: Manifest, shard: ShardMeta, out: memoryview
+    ) -> int:
+        """Read as :meth:`read_shard` does; each piece's crc32c is computed by the thread
+        that read it, as it lands in ``out`` (see ``_file_read``), and the shard's returned."""
+        return await self._read(manifest, shard, out, checksum=True)
+
+    async def _read(
+        self, manifest: Manifest, shard: ShardMeta, out: memoryview, *, checksum: bool
+    ) -> int:
         path = self._data_path(manifest)
         if shard.stored_in is not None:  # an incremental step: the bytes of an earlier one
             path = self._dir(shard.stored_in) / path.name
@@ -535,18 +551,23 @@ class FileTier(Tier):
         pool = self._reader()
         loop = asyncio.get_running_loop()
         with backend_errors(self.name, what):
-            fd = await loop.run_in_executor(pool, open_for_reading, path)
+            file = await loop.run_in_executor(pool, open_shard, path, shard, self.read_direct)
+            base = address(out) if shard.length else 0
             starts = range(0, shard.length, self.piece_bytes)
             futures = [
-                pool.submit(read_piece, fd, path, shard, out, s, self.piece_bytes) for s in starts
+                pool.submit(read_piece, file, shard, out, base, s, self.piece_bytes, checksum)
+                for s in starts
             ]
-            close_after(fd, futures)  # not before every piece is done, cancelled or not
+            close_after(file, futures)  # not before every piece is done, cancelled or not
             results = await asyncio.gather(
                 *(asyncio.wrap_future(f) for f in futures), return_exceptions=True
             )
+            crcs: list[int] = []
             for result in results:  # every piece is done: the first failure is the answer
                 if isinstance(result, BaseException):
                     raise result
+                crcs.append(result)
+        return combine(crcs, starts, shard.length) if checksum else 0
 
     async def delete(self, step: int) -> None:
         self._writable("delete a snapshot")

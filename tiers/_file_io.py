@@ -1,27 +1,19 @@
 """Positional file I/O of FileTier: pieces written with ``pwrite`` (through an aligned bounce
-buffer where ``O_DIRECT`` needs one) and read with ``preadv`` side by side."""
+buffer where ``O_DIRECT`` needs one). Reading is ``_file_read``."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import mmap
 import os
-import threading
 from collections.abc import Sequence
-from pathlib import Path
-
-from lazyckpt.tier import CorruptionError, ShardMeta
 
 __all__ = [
     "ALIGN",
     "address",
-    "close_after",
-    "open_for_reading",
     "probe_direct",
     "pwrite",
     "pwrite_many",
-    "read_piece",
 ]
 
 ALIGN = 4096
@@ -96,48 +88,6 @@ def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
                     done += os.pwrite(fd, view[done:], offset + done)
             finally:
                 view.release()
-
-
-def open_for_reading(path: Path) -> int:
-    """A descriptor of ``path`` for reading; a missing file is :class:`CorruptionError`
-    (a committed step's data file is missing)."""
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CorruptionError(f"{path} is missing") from None
-
-
-def close_after(fd: int, futures: list[concurrent.futures.Future[None]]) -> None:
-    """Close ``fd`` once every future is done: a piece still reading when the restore is
-    cancelled would otherwise read from a closed (or, worse, reused) descriptor."""
-    if not futures:
-        os.close(fd)
-        return
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: object) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            os.close(fd)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-
-
-def read_piece(
-    fd: int, path: Path, shard: ShardMeta, out: memoryview, start: int, piece: int
-) -> None:
-    """Read bytes ``[start, start + piece)`` of ``shard`` (clipped to it) into ``out``."""
-    stop = min(start + piece, shard.length)
-    done = start
-    while done < stop:
-        n = os.preadv(fd, [out[done:stop]], shard.offset + done)
-        if n == 0:
-            raise CorruptionError(f"{path} is truncated: shard {shard.index} ends past the file")
-        done += n
 
 
 def probe_direct(fd: int) -> None:

@@ -1,13 +1,15 @@
 """The conformance checks of what a crash leaves, what delete and retention remove, and
-of each optional capability (global commit, rank manifests, block reads), part of
-:class:`~lazyckpt.testing.TierTests`."""
+of each optional capability (global commit, rank manifests, block reads, checksummed
+reads), part of :class:`~lazyckpt.testing.TierTests`."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import crc32c
 import pytest
 
 from .._errors import LazyCkptError, SnapshotNotFoundError
@@ -16,6 +18,7 @@ from .._tier import (
     Retention,
     SupportsBatchPut,
     SupportsBlockRead,
+    SupportsChecksummedRead,
     SupportsGlobalCommit,
     SupportsRankManifests,
     SupportsStaging,
@@ -244,9 +247,43 @@ class CapabilityTests(TierSuite):
             await tier.delete(4)
             self._not_lent(tier, stored, "a deleted step")
 
+    async def test_checksummed_read(self, make_tier: Callable[[], Tier]) -> None:
+        """A tier that checksums while reading returns the crc32c of exactly the bytes it
+        put in ``out`` (the stored ones), into memory at its read alignment and into memory
+        that is not (64 bytes off, as PyTorch's allocator places a tensor)."""
+        probe = make_tier()
+        if not isinstance(probe, SupportsChecksummedRead):
+            pytest.skip("this tier does not checksum while reading")
+        align = probe.read_alignment
+        assert type(align) is int and align >= 1, f"read_alignment {align!r} is no alignment"
+        manifest, payloads = build_snapshot(5, _sample_state(5))
+        async with self.opened(make_tier) as tier:
+            assert isinstance(tier, SupportsChecksummedRead)
+            await self.write(tier, manifest, payloads)
+            stored = await tier.read_manifest(5)
+            for shard, expected in zip(stored.shards, payloads, strict=True):
+                for skip in (0, 64):
+                    room = bytearray(shard.length + 2 * align + 64)
+                    at = _address(room)
+                    start = -at % align + skip
+                    out = memoryview(room)[start : start + shard.length]
+                    crc = await tier.read_shard_checksummed(stored, shard, out)
+                    assert bytes(out) == expected, f"shard {shard.index}: wrong bytes"
+                    assert crc == crc32c.crc32c(expected), (
+                        f"shard {shard.index}: the returned crc32c is not the bytes' own"
+                    )
+                    assert not any(room[:start]) and not any(room[start + shard.length :]), (
+                        f"shard {shard.index}: bytes written outside out"
+                    )
+
     @staticmethod
     def _not_lent(tier: SupportsBlockRead, manifest: Manifest, what: str) -> None:
         lent = tier.borrow_shard(manifest, manifest.shards[0])
         if lent is not None:
             tier.return_shard(lent)  # the tier must still close cleanly after this failure
         assert lent is None, f"{what} lent a block"
+
+
+def _address(buffer: bytearray) -> int:
+    """Where ``buffer``'s bytes start in memory."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+import crc32c
 import pytest
 
 from lazyckpt import CorruptionError
@@ -169,3 +170,37 @@ async def test_a_tier_that_loses_referred_data_fails(cls: type[FileTier], tmp_pa
 async def test_the_file_tier_passes_the_same_reference_check(tmp_path: Path) -> None:
     suite = _FileSuite(tmp_path / "ckpt")
     await suite.test_references_read_and_retention(lambda: FileTier(suite.root))
+
+
+class _ChecksumTooEarly(DictStoreTier):  # type: ignore[misc]  # (as above)
+    """Claims to checksum while reading, but checksums ``out`` before the bytes land."""
+
+    read_alignment = 1
+
+    async def read_shard_checksummed(
+        self, manifest: Manifest, shard: ShardMeta, out: memoryview
+    ) -> int:
+        crc = crc32c.crc32c(out)
+        await self.read_shard(manifest, shard, out)
+        return crc
+
+
+class _ChecksumOfTheRightBytes(DictStoreTier):  # type: ignore[misc]  # (as above)
+    read_alignment = 1
+
+    async def read_shard_checksummed(
+        self, manifest: Manifest, shard: ShardMeta, out: memoryview
+    ) -> int:
+        await self.read_shard(manifest, shard, out)
+        return crc32c.crc32c(out)
+
+
+async def test_a_checksummed_read_that_does_not_checksum_the_bytes_fails() -> None:
+    suite = _DictSuite(_ChecksumTooEarly)
+    with pytest.raises(AssertionError, match="the returned crc32c is not the bytes' own"):
+        await suite.test_checksummed_read(suite.make)
+
+
+async def test_a_checksummed_read_of_the_bytes_passes() -> None:
+    suite = _DictSuite(_ChecksumOfTheRightBytes)
+    await suite.test_checksummed_read(suite.make)
