@@ -119,14 +119,15 @@ def copy_into_blocks(jobs: Sequence[CaptureJob]) -> None:
     object is referenced and released from inside it). So a segment of a plain contiguous
     CPU tensor is copied by address, with no torch call: a small one (up to
     :data:`_LOCKED_COPY_BYTES`) by a memoryview assignment, which keeps the lock for the
-    few microseconds of its ``memcpy``; a larger one by one ``memmove`` that releases it.
-    Every other segment (a device tensor, a subclass, a non-contiguous tensor, a complex
+    few microseconds of its ``memcpy``; a larger one by one ``memmove`` that releases it
+    (one for the consecutive chunks of a tensor that land in consecutive blocks). Every other segment (a device tensor, a subclass, a non-contiguous tensor, a complex
     or negated view, a shape that no longer matches the manifest: whatever the address
     arithmetic cannot vouch for) is copied as before, by torch, in one
     ``torch._foreach_copy_`` for the batch, which also raises what torch raises.
     """
     dests: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
+    moves: list[list[int]] = []  # [dest, source, bytes]: lock-free copies, adjacent ones joined
     for job in jobs:
         block = job.block
         view = block.memoryview()
@@ -144,8 +145,16 @@ def copy_into_blocks(jobs: Sequence[CaptureJob]) -> None:
                 srcs.append(source_view(job, seg))
             elif nbytes <= _LOCKED_COPY_BYTES:
                 view[seg.offset : seg.offset + nbytes] = _bytes_at(src, nbytes)
+            elif (
+                moves
+                and moves[-1][0] + moves[-1][2] == base + seg.offset
+                and moves[-1][1] + moves[-1][2] == src
+            ):
+                moves[-1][2] += nbytes  # the next rows of a tensor, into the next block
             else:
-                ctypes.memmove(base + seg.offset, src, nbytes)
+                moves.append([base + seg.offset, src, nbytes])
+    for dest_address, src_address, nbytes in moves:
+        ctypes.memmove(dest_address, src_address, nbytes)
     if dests:
         torch._foreach_copy_(dests, srcs)
     for job in jobs:

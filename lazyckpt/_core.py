@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,19 @@ __all__ = ["_Core", "captures_done", "make_core"]
 log = logging.getLogger("lazyckpt")
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A snapshot's plan: the structure it was made for (keys, dtypes, shapes, aliases and
+    placements of its tensors), its manifest and tensor bytes, and the eager policy's
+    choice as that structure decides it (see ``_Core._eager_classes``)."""
+
+    signature: tuple[list[Any], ...]
+    manifest: Manifest
+    nbytes: int
+    forced: list[int]
+    candidates: list[int]
+
+
 class _Core(_StepOps, _Lifecycle):
     """What both facades share: the engine and the synchronous half of every operation."""
 
@@ -61,8 +74,9 @@ class _Core(_StepOps, _Lifecycle):
         self._closing = False
         self._open_lock = threading.Lock()
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []
-        # the last plan: its signature, the manifest, and its tensor bytes (summed once)
-        self._plan_cache: tuple[tuple[Any, ...], Manifest, int] | None = None
+        # the last plan: its signature, the manifest, its tensor bytes (summed once) and the
+        # eager policy's choice as far as the structure decides it
+        self._plan_cache: _Plan | None = None
         self._keys = KeyCache()  # the state's key paths, kept from one snapshot to the next
         self._at_exit: Callable[[], None] | None = None
         self._owned_cache: tuple[tuple[Any, ...], set[int]] | None = None
@@ -126,15 +140,18 @@ class _Core(_StepOps, _Lifecycle):
             tree, refs = walk_state(
                 state, allow_pickle=self.options.allow_pickle, keys=self._keys
             )
-            # before anything can change them: copy what a forward pass may change (see
-            # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below
-            chosen = self.policy.choose(refs, self.owned_pointers())
-            if chosen:
-                copy_eager(refs, chosen)
-            if [r for r in refs if r.dist is not None]:
+            dists = [r.dist for r in refs]
+            if dists.count(None) != len(dists):
                 dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
                 assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
-            manifest, nbytes = self._plan(step, tree, refs)
+                dists = [r.dist for r in refs]
+            manifest, nbytes = self._plan(step, tree, refs, dists)
+            # before anything can change them: copy what a forward pass may change (see
+            # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below.
+            # Planning read only keys, dtypes and shapes, which a copy keeps.
+            chosen = self._eager(refs)
+            if chosen:
+                copy_eager(refs, chosen)
         if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
             return self._skip(
                 step,
@@ -214,24 +231,33 @@ class _Core(_StepOps, _Lifecycle):
         )
         return SnapshotHandle(self.engine, None, step)
 
-    def _plan(self, step: int, tree: Any, refs: list[TensorRef]) -> tuple[Manifest, int]:
+    def _plan(
+        self, step: int, tree: Any, refs: list[TensorRef], dists: list[Any]
+    ) -> tuple[Manifest, int]:
         """The layout for this snapshot and its tensor bytes; reused from the previous one
         when every tensor has the same key, dtype, shape, aliasing and placement (the usual
-        case: the same model and optimizer every step), since planning is most of
-        ``snapshot()``'s cost."""
-        # parallel tuples rather than one tuple per tensor: fewer objects for the collector
+        case: the same model and optimizer every step), since planning is most of a first
+        ``snapshot()``'s cost. Keeps, with the plan, the eager policy's choice as far as
+        that structure decides it (see :meth:`_eager`)."""
+        # parallel lists rather than one tuple per tensor: fewer objects for the collector.
+        # List comprehensions, not map(attrgetter): about twice as fast on Python 3.11.
+        # Keys are the key cache's own strings and dtypes singletons: comparing them is
+        # mostly comparing pointers.
+        tensors = [r.tensor for r in refs]
         signature = (
-            tuple([r.key for r in refs]),
-            tuple([r.tensor.dtype for r in refs]),
-            tuple([r.tensor.shape for r in refs]),
-            tuple([r.alias_of for r in refs]),
-            tuple([r.dist for r in refs]),
+            [r.key for r in refs],
+            [t.dtype for t in tensors],
+            [t.shape for t in tensors],
+            [r.alias_of for r in refs],
+            dists,
         )
         pickled = self.options.allow_pickle and has_tag(tree, "$pickle")
         cached = self._plan_cache
-        if cached is not None and cached[0] == signature:
-            fresh = replace(cached[1], step=step, tree=tree, pickled=pickled, created=time.time())
-            return fresh, cached[2]
+        if cached is not None and cached.signature == signature:
+            fresh = replace(
+                cached.manifest, step=step, tree=tree, pickled=pickled, created=time.time()
+            )
+            return fresh, cached.nbytes
         manifest = plan_layout(
             step,
             tree,
@@ -241,19 +267,57 @@ class _Core(_StepOps, _Lifecycle):
             rank=self.engine.rank,
             world_size=self.engine.world_size,
         )
-        self._plan_cache = (signature, manifest, manifest.tensor_bytes)
-        return manifest, self._plan_cache[2]
+        forced, candidates = self._eager_classes(refs, tensors)
+        self._plan_cache = _Plan(signature, manifest, manifest.tensor_bytes, forced, candidates)
+        return manifest, self._plan_cache.nbytes
+
+    def _eager_classes(
+        self, refs: list[TensorRef], tensors: list[torch.Tensor]
+    ) -> tuple[list[int], list[int]]:
+        """The eager policy's choice split by what decides it (see EagerPolicy): the refs
+        copied whatever the guarded optimizers own (an ``eager`` pattern, and their
+        aliases), and the *candidates*, copied unless a guarded optimizer owns their data
+        (small enough, no pattern against them). Every other ref is captured lazily. Both
+        follow from keys, aliasing, dtypes and shapes alone: the plan's signature."""
+        # the policy itself decides, as if every pointer were owned and as if none were,
+        # so that the cached choice cannot drift from EagerPolicy.choose; without eager
+        # patterns, nothing is copied when everything is owned
+        policy = self.policy
+        forced = policy.choose(refs, {t.data_ptr() for t in tensors}) if policy.eager else []
+        unowned = policy.choose(refs, set())
+        if not forced:
+            return forced, unowned
+        kept = set(forced)
+        return forced, [i for i in unowned if i not in kept]
+
+    def _eager(self, refs: list[TensorRef]) -> list[int]:
+        """Indexes of the refs to copy at ``snapshot()``, in order: what
+        ``self.policy.choose(refs, self.owned_pointers())`` returns, from the choice kept
+        with the plan (``refs`` must have its structure: call after :meth:`_plan`), reading
+        only the candidates' data pointers. An alias has its tensor's data pointer, so it
+        is picked with it, as the policy wants."""
+        assert self._plan_cache is not None
+        forced, candidates = self._plan_cache.forced, self._plan_cache.candidates
+        if not candidates:
+            return forced
+        pointers = [refs[i].tensor.data_ptr() for i in candidates]
+        owned = self.owned_pointers()
+        if owned.issuperset(pointers):  # the usual case: the optimizers own all of them
+            return forced
+        picked = [i for i, p in zip(candidates, pointers, strict=True) if p not in owned]
+        return sorted(forced + picked) if forced else picked
 
     def wait_captured_blocking(self, *, report: bool = True) -> float:
         """Block until every pending capture is done; return the seconds waited. With
         ``report``, then apply the failure policy."""
-        t0 = time.perf_counter()
         pending = self.engine.pending_captures()
-        if pending:
+        waited = 0.0
+        if pending:  # else (most steps) nothing to time or to charge
+            t0 = time.perf_counter()
             concurrent.futures.wait([f.captured for f in pending])
-        waited = time.perf_counter() - t0
-        for f in pending:
-            f.stats.guard_s += waited
+            waited = time.perf_counter() - t0
+            for f in pending:
+                f.stats.guard_s += waited
         if report:
             self.report_failures()
         return waited
@@ -295,7 +359,10 @@ class _Core(_StepOps, _Lifecycle):
                 log.exception("lazyckpt's guard failed to wait for the pending captures")
 
         def hook(_opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if closure is not False:
+            # the hook runs at every step, with cold caches after a forward and backward
+            # pass: a step without a closure (its only argument the optimizer) skips the
+            # closure lookup
+            if closure is not False and (kwargs or len(args) != 1 or args[0] is not opt):
                 wrapped = wrap_closure(args, kwargs, wait)
                 if wrapped is not None:
                     return wrapped

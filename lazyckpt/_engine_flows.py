@@ -7,6 +7,7 @@ the whole way)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
@@ -34,52 +35,84 @@ class _PutGroup:
     """The shards of one capture batch on their way to the first durable tier: one
     ``put_shards`` call for those that get there (:class:`~lazyckpt._tier.SupportsBatchPut`).
 
-    Each shard's flow either hands its data in (:meth:`put`, then waits for the call) or
-    leaves (:meth:`leave`: it failed, its bytes are reused, the stage failed, or the flow
-    ended some other way); once every member has done one or the other, the call starts,
-    on a task of the flight's task group, so that no member's own exit path runs it.
+    Each shard's flow either hands its data in (:meth:`put`, which returns once the call
+    did) or leaves (:meth:`leave`: it failed, its bytes are reused, the stage failed, or
+    the flow ended some other way). The last flow to hand its data in makes the call
+    itself, and the others wake on their own futures in the loop turn it ends (a flow
+    cancelled meanwhile cancels only its own); where the last one leaves instead, the call
+    runs on a task of the flight's task group, since a leaving flow may be on its way out.
     """
 
     def __init__(
         self,
         stage: int,
         members: Sequence[int],
-        run: Callable[[_PutGroup], Coroutine[Any, Any, None]],
+        call: Callable[[list[ShardMeta], list[memoryview]], Coroutine[Any, Any, None]],
         tg: asyncio.TaskGroup,
     ) -> None:
         self.stage = stage
         self.waiting = set(members)
         self.shards: list[ShardMeta] = []
         self.data: list[memoryview] = []
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        # an error is delivered to every member that waits; if none does, it is not lost
-        # (the members that left have failed the stage already) and must not be reported
-        self.done.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._run = run
+        self._waiters: list[asyncio.Future[None]] = []
+        self._started = False
+        self._call = call
         self._tg = tg
 
     async def put(self, i: int, shard: ShardMeta, data: memoryview) -> None:
+        """Hand a shard in; return once the call stored it, or raise what the call raised."""
         self.shards.append(shard)
         self.data.append(data)
-        self._arrived(i)
-        await asyncio.shield(self.done)
+        self.waiting.discard(i)
+        if not self.waiting and not self._started:
+            self._started = True
+            await self._run()
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
 
     def leave(self, i: int) -> None:
         """This member will not put (idempotent; a no-op once it has)."""
-        if i in self.waiting:
-            self._arrived(i)
-
-    def _arrived(self, i: int) -> None:
-        self.waiting.discard(i)
-        if self.waiting or self.done.done():
+        if i not in self.waiting:
             return
+        self.waiting.discard(i)
+        if self.waiting or self._started:
+            return
+        self._started = True
         if not self.shards:
-            self.done.set_result(None)
             return
         try:
-            self._tg.create_task(self._run(self))
+            self._tg.create_task(self._run_for_others())
         except RuntimeError:  # the task group is shutting down: every flow is cancelled
-            self.done.cancel()
+            self._settle(None, cancel=True)
+
+    async def _run(self) -> None:
+        try:
+            await self._call(self.shards, self.data)
+        except Exception as exc:
+            self._settle(exc)
+            raise
+        except BaseException:
+            self._settle(None, cancel=True)
+            raise
+        self._settle(None)
+
+    async def _run_for_others(self) -> None:
+        # the waiting members have the error, and each fails the stage with it
+        with contextlib.suppress(Exception):
+            await self._run()
+
+    def _settle(self, exc: Exception | None, *, cancel: bool = False) -> None:
+        for waiter in self._waiters:
+            if waiter.done():  # its flow was cancelled
+                continue
+            if cancel:
+                waiter.cancel()
+            elif exc is not None:
+                waiter.set_exception(exc)
+            else:
+                waiter.set_result(None)
 
 
 class _Flows:
@@ -312,36 +345,28 @@ class _Flows:
         stages = self._durable_stages()
         if len(batch) < 2 or not stages or not puts_batches(self.tier_of(stages[0])):
             return None
-        return _PutGroup(stages[0], [i for i, _ in batch], partial(self._put_batch, flight), tg)
+        k = stages[0]
+        return _PutGroup(k, [i for i, _ in batch], partial(self._put_batch, flight, k), tg)
 
-    async def _put_batch(self, flight: Flight, group: _PutGroup) -> None:
-        """One ``put_shards`` call for the shards of a batch that reached the tier, under
-        the tier's turn, deadline (once per shard) and retries; its outcome goes to every
-        member."""
-        k = group.stage
-        tier = self.tier_of(k)
+    async def _put_batch(
+        self, flight: Flight, stage: int, shards: list[ShardMeta], data: list[memoryview]
+    ) -> None:
+        """One ``put_shards`` call for the shards of a batch that reached the tier (in
+        stream order), under the tier's turn, its deadline (once per shard) and retries."""
+        tier = self.tier_of(stage)
         assert isinstance(tier, SupportsBatchPut)
-        shards, data = group.shards, group.data
         order = sorted(range(len(shards)), key=lambda j: shards[j].offset)
         shards, data = [shards[j] for j in order], [data[j] for j in order]
         what = f"put shards {', '.join(str(s.index) for s in shards)}"
-        try:
-            async with self._tier_sems[k]:
-                t0 = time.perf_counter()
-                await self._guarded(
-                    k,
-                    what,
-                    partial(tier.put_shards, flight.manifest, shards, data),
-                    scale=len(shards),
-                )
-                self._count(k, sum(s.length for s in shards), time.perf_counter() - t0)
-        except Exception as exc:
-            group.done.set_exception(exc)
-        except BaseException:
-            group.done.cancel()
-            raise
-        else:
-            group.done.set_result(None)
+        async with self._tier_sems[stage]:
+            t0 = time.perf_counter()
+            await self._guarded(
+                stage,
+                what,
+                partial(tier.put_shards, flight.manifest, shards, data),
+                scale=len(shards),
+            )
+            self._count(stage, sum(s.length for s in shards), time.perf_counter() - t0)
 
     async def _checksum_batch(
         self, flight: Flight, batch: Sequence[tuple[int, Block]]

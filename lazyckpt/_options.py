@@ -47,7 +47,8 @@ class CheckpointerOptions:
             the cores, at most 8).
         io_concurrency: shards in flight per durable tier.
         deadline: seconds any single tier operation may take before it fails with
-            :class:`DeadlineExceededError` (``None``: no deadline).
+            :class:`DeadlineExceededError` (``None``: no deadline); a call that stores
+            several shards at once (``put_shards``) has that many times as long.
         retries: how often a failed tier operation (a broken backend, a missed deadline) is
             retried, with exponential back-off from ``retry_backoff`` seconds, before the
             snapshot fails on that tier. A full tier is not retried.

@@ -145,7 +145,9 @@ class KeyCache:
     become one dict lookup after the first ``snapshot()``, and the tree's
     ``[key, {"$tensor": i}]`` items are shared between snapshots (trees are never modified
     after the walk), which keeps ``snapshot()`` from allocating, and the garbage collector
-    from scanning, a new list and dict per tensor per snapshot.
+    from scanning, a new list and dict per tensor per snapshot. A mapping walked in passes
+    (``_Walker._tensor_mapping``) keeps one record instead (:class:`_MappingShape`): its
+    keys, its tensors' paths and its whole tree node, reused while its keys stay the same.
 
     Args:
         limit: entries kept per table before it is cleared and refilled. The default has
@@ -161,6 +163,8 @@ class KeyCache:
         # tree's item for that index]; one lookup in a table of every tensor of the state
         # gives both (at 100,000 tensors each lookup is a cache miss)
         self.items: dict[tuple[str, str | int], list[Any]] = {}
+        # per path of a mapping walked in passes: what its keys gave in the last walk
+        self.mappings: dict[str, _MappingShape] = {}
 
     def child_path(self, parent: str, k: str | int) -> str:
         """The path of key ``k`` (a str, checked, or an int) under ``parent``."""
@@ -185,6 +189,97 @@ class KeyCache:
         entry = self.items[(parent, k)] = [self.child_path(parent, k), -1, None]
         return entry
 
+    def mapping_shape(
+        self, parent: str, keys: list[Any], sizes: list[int] | None, inner: list[Any] | None
+    ) -> _MappingShape:
+        """Check the keys of a mapping walked in passes (at path ``parent``; ``sizes`` and
+        ``inner``: its dicts' sizes and keys, for a mapping of dicts) and keep what follows
+        from them for the next walk."""
+        outer = _plain_names(keys)
+        if outer is None:  # a key to escape, or one to refuse: the per-key checks
+            outer = [_escape(k) if type(k) is str else str(k) for k in keys]
+            for k in keys:
+                self.child_path(parent, k)  # raises for a key no tier may turn into a path
+        prefix = f"{parent}/" if parent else ""
+        paths = list(map(prefix.__add__, outer))
+        if sizes is not None and inner is not None:
+            names = _plain_names(inner)
+            if names is None:
+                names = [_escape(k) if type(k) is str else str(k) for k in inner]
+                repeated = itertools.chain.from_iterable(map(itertools.repeat, paths, sizes))
+                for path, k in zip(repeated, inner, strict=True):
+                    self.child_path(path, k)
+            # each dict's path and a slash, once per key of that dict, then the key's name
+            slashed = map(operator.add, paths, itertools.repeat("/"))
+            starts = itertools.chain.from_iterable(map(itertools.repeat, slashed, sizes))
+            paths = list(map(operator.add, starts, names))
+        if len(self.mappings) >= self.limit:
+            self.mappings.clear()
+        shape = self.mappings[parent] = _MappingShape(keys, sizes, inner, paths)
+        return shape
+
+
+def _plain_names(keys: list[Any]) -> list[str] | None:
+    """The path parts of str or int keys that need no escaping, checked in passes as
+    :func:`_check_key` checks one key; None if any key needs escaping or is refused."""
+    kinds = set(map(type, keys))
+    if kinds == _INT:
+        return list(map(str, keys))  # digits: nothing to check or escape
+    if kinds != _STR:
+        return None
+    joined = "".join(keys)
+    if (
+        "/" in joined  # no "/" anywhere: none starts with one, none needs escaping
+        or "%" in joined
+        or _CONTROL.search(joined) is not None
+        or not _SPECIAL.isdisjoint(keys)
+        or max(map(len, keys), default=0) > _MAX_KEY
+    ):
+        return None
+    return keys
+
+
+_INT = {int}
+_STR = {str}
+_SPECIAL = {"", ".", ".."}
+
+
+class _MappingShape:
+    """What the last walk found in a mapping it walked in passes (``_Walker._tensor_mapping``):
+    its keys (for a mapping of dicts also each dict's size and keys, in order), the paths of
+    its tensors, and its tree node with the tensor indexes of that walk, ``base`` the first.
+
+    Only the keys decide whether a record still fits: everything about the tensors
+    themselves is read again on every walk. A node is never changed once made (earlier
+    trees hold it); :meth:`place` makes a new one when the indexes move.
+    """
+
+    __slots__ = ("base", "inner", "keys", "node", "paths", "sizes")
+
+    def __init__(
+        self, keys: list[Any], sizes: list[int] | None, inner: list[Any] | None, paths: list[str]
+    ) -> None:
+        self.keys = keys
+        self.sizes = sizes
+        self.inner = inner
+        self.paths = paths
+        self.base = -1
+        self.node: JSON = None
+
+    def place(self, base: int) -> None:
+        """A new tree node for tensors numbered from ``base``."""
+        index = itertools.count(base)
+        if self.sizes is None or self.inner is None:
+            items = [[k, {"$tensor": next(index)}] for k in self.keys]
+        else:
+            names = iter(self.inner)
+            items = [
+                [k, {"$dict": [[next(names), {"$tensor": next(index)}] for _ in range(size)]}]
+                for k, size in zip(self.keys, self.sizes, strict=True)
+            ]
+        self.node = {"$dict": items}
+        self.base = base
+
 
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
@@ -192,6 +287,8 @@ _STRIDED = torch.strided
 _BATCH_MIN = 8  # below this, setting the passes up costs more than the loop
 _PLAIN_TENSORS = {torch.Tensor, _Parameter}
 _PLAIN_KEYS = {str, int}  # not bool: True is no int key here
+_DICT = {dict}
+_STRIDED_ONLY = {_STRIDED}
 _LAYOUT = operator.attrgetter("layout")
 _DTYPE = operator.attrgetter("dtype")
 _IS_META = operator.attrgetter("is_meta")
@@ -362,44 +459,60 @@ class _Walker:
         return {"$dict": items}
 
     def _tensor_mapping(self, obj: Any, key: str) -> JSON | None:
-        """A mapping of str or int keys to plain tensors (a module's state dict) walked in a
-        few passes that each run in C, rather than one Python loop body per tensor. None,
-        having changed nothing but the key cache, when the mapping is not one of those or a
-        tensor needs a closer look (an unusual tensor, an alias, no version counter): the
-        general loop then walks it."""
+        """A mapping walked in a few passes that each run in C, rather than one Python loop
+        body per tensor: a mapping of str or int keys to plain tensors (a module's state
+        dict), or to plain dicts of those (an unflattened optimizer state, ``{i: {"exp_avg":
+        t, ...}}``). None, having changed nothing but the key cache, when the mapping is
+        neither or a tensor needs a closer look (an unusual tensor, an alias, no version
+        counter): the general loop then walks it.
+
+        Every tensor's type, layout, dtype, version counter and data pointer are read on
+        every walk; what is kept from the last walk (:class:`_MappingShape`) is only what
+        follows from the keys: the tensors' paths and the tree node.
+        """
         values = list(obj.values())
-        if not set(map(type, values)) <= _PLAIN_TENSORS:
+        kinds = set(map(type, values))
+        if kinds <= _PLAIN_TENSORS:
+            sizes: list[int] | None = None
+            inner: list[Any] | None = None
+            tensors = values
+        elif kinds == _DICT:  # exactly dict: its own order is the one dict.values gives
+            sizes = list(map(len, values))
+            inner = list(itertools.chain.from_iterable(values))
+            tensors = list(itertools.chain.from_iterable(map(dict.values, values)))
+            if len(tensors) != len(inner) or not set(map(type, inner)) <= _PLAIN_KEYS:
+                return None
+            if not set(map(type, tensors)) <= _PLAIN_TENSORS:
+                return None
+        else:
             return None
         keys = list(obj)
         if not set(map(type, keys)) <= _PLAIN_KEYS:
             return None
         if (
-            set(map(_LAYOUT, values)) != {_STRIDED}
-            or not set(map(_DTYPE, values)) <= _DTYPE_NAMES.keys()
-            or any(map(_IS_META, values))
+            not set(map(_LAYOUT, tensors)) <= _STRIDED_ONLY
+            or not set(map(_DTYPE, tensors)) <= _DTYPE_NAMES.keys()
+            or any(map(_IS_META, tensors))
         ):
             return None
         try:
-            versions = list(map(_VERSION, values))
+            versions = list(map(_VERSION, tensors))
         except (RuntimeError, AttributeError):  # an inference tensor: no version counter
             return None
         base = len(self.tensors)
-        found = dict(zip(map(_DATA_PTR, values), range(base, base + len(values)), strict=True))
-        if len(found) != len(values) or not self._by_ptr.keys().isdisjoint(found):
+        found = dict(zip(map(_DATA_PTR, tensors), range(base, base + len(tensors)), strict=True))
+        if len(found) != len(tensors) or not self._by_ptr.keys().isdisjoint(found):
             return None  # a data pointer seen twice: perhaps an alias
-        cached = list(map(self.keys.items.get, zip(itertools.repeat(key), keys)))
-        # a miss checks the key, as the general loop would
-        entries = [
-            e if e is not None else self.keys.tensor_entry(key, k)
-            for e, k in zip(cached, keys, strict=True)
-        ]
+        shape = self.keys.mappings.get(key)
+        # the key types are checked above, so equal lists are the same keys (1 == True and
+        # 1 == 1.0 cannot pass for one another here)
+        if shape is None or shape.keys != keys or shape.sizes != sizes or shape.inner != inner:
+            shape = self.keys.mapping_shape(key, keys, sizes, inner)
+        if shape.base != base:  # the tree's tensor indexes moved (or a new shape)
+            shape.place(base)
         self._by_ptr.update(found)
-        self.tensors.extend(map(TensorRef, [e[0] for e in entries], values, versions))
-        if [e[1] for e in entries] != list(range(base, base + len(values))):
-            for j, entry in enumerate(entries):
-                if entry[1] != base + j:  # a new list: earlier trees keep theirs as they were
-                    entry[1], entry[2] = base + j, [keys[j], {"$tensor": base + j}]
-        return {"$dict": [e[2] for e in entries]}
+        self.tensors.extend(map(TensorRef, shape.paths, tensors, versions))
+        return shape.node
 
     def _add_tensor(self, t: torch.Tensor, key: str) -> int:
         key = key or "<root>"

@@ -37,7 +37,9 @@ from numpy's own list of them. The walk that writes these tags is ``_tree``'s.
 from __future__ import annotations
 
 import base64
+import itertools
 import math
+import operator
 import pickle
 import random
 from collections.abc import Mapping
@@ -266,9 +268,70 @@ _OBJECT_TAGS: dict[str, Any] = {
 }
 
 
+_BULK_MIN = 8  # below this, setting the passes up costs more than the loop
+_PLAIN_KEYS = {str, int}  # decoded as themselves (not bool: True is no int key here)
+_LIST, _DICT, _INT, _PAIR, _ONE = {list}, {dict}, {int}, {2}, {1}
+_KEY = operator.itemgetter(0)
+_NODE = operator.itemgetter(1)
+
+
+def _tensors_of(dec: _Decoder, nodes: list[Any]) -> list[Any] | None:
+    """The tensors ``nodes`` refer to if every one is a ``{"$tensor": i}`` in range, else None."""
+    if set(map(type, nodes)) != _DICT or set(map(len, nodes)) != _ONE:
+        return None
+    indexes: list[Any] = list(map(dict.get, nodes, itertools.repeat("$tensor")))
+    if set(map(type, indexes)) != _INT or min(indexes) < 0 or max(indexes) >= len(dec.tensors):
+        return None
+    return list(map(dec.tensors.__getitem__, indexes))
+
+
+def _items_of(value: list[Any]) -> tuple[list[Any], list[Any]] | None:
+    """The keys and value nodes of a ``$dict``'s items if each is a ``[key, node]`` with a
+    str or int key, else None."""
+    if set(map(type, value)) != _LIST or set(map(len, value)) != _PAIR:
+        return None
+    keys = list(map(_KEY, value))
+    if not set(map(type, keys)) <= _PLAIN_KEYS:
+        return None
+    return keys, list(map(_NODE, value))
+
+
+def _tensor_dict(dec: _Decoder, value: list[Any]) -> dict[Any, Any] | None:
+    """A ``$dict`` of tensor references (a module's state dict) or of ``$dict``s of them (an
+    optimizer's per-parameter state) decoded in passes that each run in C, as
+    ``_Walker._tensor_mapping`` walked it; None, for the general decoding, when it is
+    neither or anything in it looks unusual (damage included)."""
+    found = _items_of(value)
+    if found is None:
+        return None
+    keys, nodes = found
+    tensors = _tensors_of(dec, nodes)
+    if tensors is not None:
+        return dict(zip(keys, tensors, strict=True))
+    if set(map(type, nodes)) != _DICT or set(map(len, nodes)) != _ONE:
+        return None
+    inner: list[Any] = list(map(dict.get, nodes, itertools.repeat("$dict")))
+    if set(map(type, inner)) != _LIST:
+        return None
+    sizes = list(map(len, inner))
+    flat = _items_of(list(itertools.chain.from_iterable(inner)))
+    if flat is None:  # an unusual item, or no item at all
+        return None
+    names, leaves = flat
+    tensors = _tensors_of(dec, leaves)
+    if tensors is None:
+        return None
+    pairs = zip(names, tensors, strict=True)
+    return {k: dict(itertools.islice(pairs, size)) for k, size in zip(keys, sizes, strict=True)}
+
+
 def _decode_builtin(dec: _Decoder, tag: str, value: Any) -> Any:
     """The tags of plain values, containers and tensors."""
     if tag == "$dict":
+        if type(value) is list and len(value) >= _BULK_MIN:
+            found = _tensor_dict(dec, value)
+            if found is not None:
+                return found
         keys = [dec.decode(k) for k, _ in value]
         values = [dec.decode(v) for _, v in value]
         try:

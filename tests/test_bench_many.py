@@ -45,6 +45,7 @@ def test_many_tensors_quick(tmp_path: Path) -> None:
                     "snapshot_calls_per_tensor"):
             assert _positive(r[key]), (key, r[key])
         assert _positive(r["snapshot_warm_us_per_tensor"]["median"])
+        assert _positive(r["snapshot_warm_cpu_us_per_tensor"]["median"])
         assert len(r["snapshot_warm_gc"]["collections_per_call"]) == 3
         assert _positive(r["dcp"]["save_plan_s"]) and _positive(r["dcp"]["metadata_bytes"])
     # the manifest grows with the count
@@ -74,5 +75,8 @@ def test_stall_sweep_quick(tmp_path: Path) -> None:
         assert set(r["lazyckpt_split_ms"]) == set(r["lazyckpt_first_split_ms"]) == {
             "model_state_dict", "optim_state_dict", "walk", "plan", "other", "guard"
         }
+    steady = doc["results"]["steady_state"]
+    assert _positive(steady["lazyckpt_ms"]) and _positive(steady["dcp_async_ms"])
+    assert steady["met"] == (steady["ratio_pct"] <= steady["target_pct"])
     (csv_path,) = tmp_path.glob("*.csv")
     assert len(csv_path.read_text().splitlines()) == 1 + len(rows)

@@ -16,6 +16,7 @@ from .._errors import LazyCkptError, SnapshotNotFoundError
 from .._manifest import Manifest
 from .._tier import (
     Retention,
+    SupportsBatchPut,
     SupportsBlockRead,
     SupportsChecksummedRead,
     SupportsGlobalCommit,
@@ -129,6 +130,31 @@ class CapabilityTests(TierSuite):
             for tier, (manifest, payloads) in zip(tiers, built, strict=True):
                 await self.write(tier, manifest, payloads)
             yield tiers, [m for m, _ in built], [p for _, p in built], before
+
+    async def test_batch_put(self, make_tier: Callable[[], Tier]) -> None:
+        """``put_shards`` stores what ``put_shard`` of each would: a snapshot written in
+        batches (adjacent shards, out of order, and one batch with a gap) reads back
+        whole after its commit."""
+        probe = make_tier()
+        if not isinstance(probe, SupportsBatchPut):
+            pytest.skip("this tier does not store several shards in one call")
+        manifest, payloads = build_snapshot(5, _sample_state(5))
+        n = len(manifest.shards)
+        assert n >= 3, "the sample snapshot has too few shards to batch"
+        batches = [[1, 0], list(range(2, n, 2)), list(range(3, n, 2))]
+        async with self.opened(make_tier) as tier:
+            assert isinstance(tier, SupportsBatchPut)
+            await tier.begin(manifest)
+            for batch in batches:
+                if batch:
+                    await tier.put_shards(
+                        manifest,
+                        [manifest.shards[i] for i in batch],
+                        [memoryview(payloads[i]) for i in batch],
+                    )
+            await tier.commit(manifest)
+            assert await tier.steps() == [5]
+            assert await self.read_all(tier, await tier.read_manifest(5)) == payloads
 
     async def test_global_commit(self, make_tier: Callable[[], Tier]) -> None:
         """A step of two ranks is invisible until ``commit_global`` (every rank's part was

@@ -54,6 +54,8 @@ Capabilities are checked where the tier has them (``isinstance`` with the protoc
   shards; a rank the step does not have is an error of lazyckpt's tree.
 - :class:`~lazyckpt.tier.SupportsBlockRead`: a borrowed block holds the shard's bytes, and a
   step that is not there lends nothing.
+- :class:`~lazyckpt.tier.SupportsBatchPut`: a snapshot written with ``put_shards`` in
+  batches (adjacent shards out of order, every other shard) reads back whole.
 
 And for every tier: retention through a Checkpointer keeps exactly what the policy says,
 ``delete`` removes a step's data (not only its commit), and ``open()`` removes what a writer
