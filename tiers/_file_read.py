@@ -44,7 +44,7 @@ from ._file_io import ALIGN
 __all__ = ["DataFile", "combine", "open_piece", "read_piece"]
 
 _SLICE = 256 << 10  # checksummed right after landing, while in the core's L2 cache
-_BOUNCE = 2 << 20  # per reading thread: one direct read of an unaligned piece at a time
+_BOUNCE = 8 << 20  # per reading thread: a whole default piece in one direct read (2 MiB: 0.7x)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
