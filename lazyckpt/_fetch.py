@@ -29,7 +29,7 @@ from ._arena import Block
 from ._errors import CorruptionError, SnapshotNotFoundError, TierError
 from ._manifest import Manifest, ShardMeta
 from ._state import RestoreEvent, RestoreState, advance_restore
-from ._tier import SupportsBlockRead, SupportsChecksummedRead, Tier
+from ._tier import SupportsBlockRead, SupportsChecksummedRead, Tier, reads_checksummed
 
 __all__ = [
     "Checksum",
@@ -106,12 +106,15 @@ async def read_copy(
 
     A tier that checksums while it reads (:class:`SupportsChecksummedRead`) returns the
     crc32c of the bytes as they landed in ``out``, piece by piece while they are in the
-    cache: one pass over the bytes instead of two. Any other tier's copy is checksummed
+    cache: one pass over the bytes instead of two (where the class defining that read also
+    defines the ``read_shard`` in effect: a subclass overriding ``read_shard`` alone keeps
+    it in use). Any other tier's copy is checksummed
     afterwards by ``checksum``. A caller's own ``read`` (the engine's deadline and retries)
     takes the second way."""
     if read is not None:
         await read(tier, out)
-    elif isinstance(tier, SupportsChecksummedRead):
+    elif reads_checksummed(tier):
+        assert isinstance(tier, SupportsChecksummedRead)
         crc = await tier.read_shard_checksummed(manifest, shard, out)
         check_copy(manifest, shard, crc, tier.name)
         return

@@ -51,6 +51,7 @@ __all__ = [
     "backend_errors",
     "load_tier",
     "puts_batches",
+    "reads_checksummed",
     "translate_os_error",
 ]
 
@@ -277,16 +278,32 @@ class SupportsBatchPut(Protocol):
         the whole call or fails the snapshot on this tier. Do not keep ``data``."""
 
 
+def _variant_in_effect(tier: object, plain: str, variant: str) -> bool:
+    """Whether the method ``variant`` of ``tier`` is defined by the class defining the
+    ``plain`` method in effect, or by a subclass of it: a subclass that overrides ``plain``
+    alone (a test's counting or slow tier, a user's hook) keeps every call going through
+    its ``plain``."""
+    mro = type(tier).__mro__
+    owner = {name: next((c for c in mro if name in vars(c)), None) for name in (plain, variant)}
+    fast, single = owner[variant], owner[plain]
+    return fast is not None and single is not None and issubclass(fast, single)
+
+
 def puts_batches(tier: object) -> bool:
     """Whether the engine hands ``tier`` batches of shards (:class:`SupportsBatchPut`):
     only where ``put_shards`` is defined by the class defining the ``put_shard`` in effect,
     or a subclass of it (a subclass overriding ``put_shard`` alone keeps it in use)."""
-    if not isinstance(tier, SupportsBatchPut):
-        return False
-    mro = type(tier).__mro__
-    owner = {name: next((c for c in mro if name in vars(c)), None) for name in ("put_shard", "put_shards")}
-    batch, single = owner["put_shards"], owner["put_shard"]
-    return batch is not None and single is not None and issubclass(batch, single)
+    return isinstance(tier, SupportsBatchPut) and _variant_in_effect(tier, "put_shard", "put_shards")
+
+
+def reads_checksummed(tier: object) -> bool:
+    """Whether a verified read takes ``tier``'s checksummed read
+    (:class:`SupportsChecksummedRead`): only where ``read_shard_checksummed`` is defined by
+    the class defining the ``read_shard`` in effect, or a subclass of it (a subclass
+    overriding ``read_shard`` alone keeps it in use)."""
+    return isinstance(tier, SupportsChecksummedRead) and _variant_in_effect(
+        tier, "read_shard", "read_shard_checksummed"
+    )
 
 
 @runtime_checkable

@@ -9,6 +9,7 @@ import os
 import random
 import warnings
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import pytest
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 import lazyckpt
 import tiers._file_read as file_read
 from lazyckpt import CorruptionError
+from lazyckpt._tier import reads_checksummed
 from lazyckpt.testing import build_snapshot
 from lazyckpt.tier import SupportsChecksummedRead, TierLevel, crc32c_combine
 from tiers import FileTier
@@ -301,3 +303,38 @@ async def test_packed_shards_reuse_their_buffers(tmp_path: Path) -> None:
         restored = await reader.restore(1)
     for key, t in state.items():
         assert torch.equal(restored[key], t)
+
+
+class _ReadHook(FileTier):
+    """A user's FileTier that overrides ``read_shard`` only (to count, throttle or log)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads = 0
+
+    async def read_shard(self, manifest: Any, shard: Any, out: memoryview) -> None:
+        self.reads += 1
+        await super().read_shard(manifest, shard, out)
+
+
+async def test_a_subclass_overriding_read_shard_alone_keeps_every_read(tmp_path: Path) -> None:
+    """The checksummed read is taken only where the class defining it also defines the
+    read_shard in effect: a subclass's own read_shard is never bypassed, and the copy is
+    still checked (the checksum computed after the read)."""
+    state = {"w": torch.randn(1000, 700), "small": torch.randn(100)}
+    async with lazyckpt.Checkpointer([FileTier(tmp_path)], **SMALL) as ckpt:
+        await (await ckpt.snapshot(state, step=1)).committed()
+    hooked = _ReadHook(tmp_path)
+    assert not reads_checksummed(hooked) and reads_checksummed(FileTier(tmp_path))
+    async with lazyckpt.Checkpointer([hooked]) as reader:
+        restored = await reader.restore(1)
+        manifest = await hooked.read_manifest(1)
+    assert hooked.reads == len(manifest.shards) > 1
+    for key in state:
+        assert torch.equal(restored[key], state[key])
+    _damage(tmp_path, 1)
+    again = _ReadHook(tmp_path)
+    async with lazyckpt.Checkpointer([again]) as reader:
+        with pytest.raises(CorruptionError, match="checksum mismatch"):
+            await reader.restore(1)
+    assert again.reads >= 1
