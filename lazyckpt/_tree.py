@@ -463,8 +463,10 @@ class _Walker:
         body per tensor: a mapping of str or int keys to plain tensors (a module's state
         dict), or to plain dicts of those (an unflattened optimizer state, ``{i: {"exp_avg":
         t, ...}}``). None, having changed nothing but the key cache, when the mapping is
-        neither or a tensor needs a closer look (an unusual tensor, an alias, no version
-        counter): the general loop then walks it.
+        neither or a tensor needs a closer look (an unusual tensor, no version counter, a
+        data pointer shared with a tensor outside it or by two different views): the
+        general loop then walks it. Aliases within it (a tied weight under two keys) are
+        recorded here as the loop records them.
 
         Every tensor's type, layout, dtype, version counter and data pointer are read on
         every walk; what is kept from the last walk (:class:`_MappingShape`) is only what
@@ -500,9 +502,16 @@ class _Walker:
         except (RuntimeError, AttributeError):  # an inference tensor: no version counter
             return None
         base = len(self.tensors)
-        found = dict(zip(map(_DATA_PTR, tensors), range(base, base + len(tensors)), strict=True))
-        if len(found) != len(tensors) or not self._by_ptr.keys().isdisjoint(found):
-            return None  # a data pointer seen twice: perhaps an alias
+        pointers = list(map(_DATA_PTR, tensors))
+        found = dict(zip(pointers, range(base, base + len(tensors)), strict=True))
+        aliases: list[tuple[int, int]] = []
+        if len(found) != len(tensors):  # a data pointer seen twice in here: a tied weight?
+            tied = _tied(tensors, pointers, base)
+            if tied is None:
+                return None  # not only exact aliases: the general loop sorts them out
+            found, aliases = tied
+        if not self._by_ptr.keys().isdisjoint(found):
+            return None  # shares a data pointer with an earlier tensor: perhaps an alias
         shape = self.keys.mappings.get(key)
         # the key types are checked above, so equal lists are the same keys (1 == True and
         # 1 == 1.0 cannot pass for one another here)
@@ -512,6 +521,8 @@ class _Walker:
             shape.place(base)
         self._by_ptr.update(found)
         self.tensors.extend(map(TensorRef, shape.paths, tensors, versions))
+        for index, first in aliases:
+            self.tensors[index].alias_of = first
         return shape.node
 
     def _add_tensor(self, t: torch.Tensor, key: str) -> int:
@@ -548,6 +559,28 @@ class _Walker:
             version = None
         self.tensors.append(TensorRef(key, t, version, first, dist, dtensor))
         return index
+
+
+def _tied(
+    tensors: list[torch.Tensor], pointers: list[int], base: int
+) -> tuple[dict[int, int], list[tuple[int, int]]] | None:
+    """For tensors (numbered from ``base``; ``pointers``: their data pointers) some of
+    which share a data pointer: each data
+    pointer's first tensor, and the (index, first index) of every later one, when each
+    later one is an alias of the first there (what ``_Walker._add_tensor`` finds: a tied
+    weight seen under a second key). None if one is not (a view of other shape or dtype at
+    the same address): the general loop then records it as a tensor of its own."""
+    n = len(pointers)
+    # reversed, so that each data pointer keeps its first position
+    first = dict(zip(reversed(pointers), range(n - 1, -1, -1), strict=True))
+    later = [j for j, i in enumerate(map(first.__getitem__, pointers)) if i != j]
+    aliases = []
+    for j in later:
+        i = first[pointers[j]]
+        if _identity(tensors[j]) != _identity(tensors[i]):
+            return None
+        aliases.append((base + j, base + i))
+    return {p: base + i for p, i in first.items()}, aliases
 
 
 def walk_state(

@@ -58,11 +58,26 @@ def _tied() -> dict[str, Any]:
     return state
 
 
+def _tied_twice() -> dict[str, Any]:
+    state = _tied()
+    state["head2"] = state["layer0.weight"]
+    state["out"] = state["layer4.weight"]
+    return state
+
+
+def _tied_and_viewed() -> dict[str, Any]:
+    state = _tied()
+    state["view"] = state["layer0.weight"][:2]  # at the alias's address, not an alias
+    return state
+
+
 CASES: dict[str, Callable[[], dict[Any, Any]]] = {
     "plain": lambda: {"model": _plain(20), "step": 3},
     "parameters": lambda: {"m": dict(torch.nn.Linear(3, 3).named_parameters()) | _plain(8)},
     "int keys": lambda: {"optim": {i: torch.randn(2) for i in range(12)}},
     "tied": _tied,
+    "tied twice": _tied_twice,
+    "tied and viewed": _tied_and_viewed,
     "empties": lambda: {**_plain(9), "e1": torch.empty(0), "e2": torch.empty(0)},
     "inference": _with_inference_tensor,
     "bool key": lambda: {"d": {True: torch.ones(1), **{i + 2: torch.ones(1) for i in range(9)}}},
@@ -80,8 +95,10 @@ def test_batch_path_walks_as_the_loop_does(case: str, monkeypatch: pytest.Monkey
     batch, used = _walk(state, True, monkeypatch)
     loop, _ = _walk(state, False, monkeypatch)
     assert batch == loop
-    if case in ("plain", "parameters", "int keys"):
+    if case in ("plain", "parameters", "int keys", "tied", "tied twice"):
         assert any(used)  # the batch path took these
+    if case.startswith("tied"):
+        assert any(alias is not None for *_, alias, _dist in batch[1])
 
 
 @pytest.mark.parametrize(
@@ -147,7 +164,7 @@ def test_batch_path_walks_mappings_of_dicts_as_the_loop_does(
     batch, used = _walk(state, True, monkeypatch)
     loop, _ = _walk(state, False, monkeypatch)
     assert batch == loop
-    if case in ("optimizer state", "str outer keys", "uneven and empty"):
+    if case in ("optimizer state", "str outer keys", "uneven and empty", "an alias inside"):
         assert any(used)
 
 
@@ -193,6 +210,8 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "inner dict type": lambda s: s["optim"].__setitem__(2, OrderedDict(s["optim"][2])),
     "alias": lambda s: s["optim"][9].__setitem__("v", s["optim"][0]["m"]),
     "alias of a model tensor": lambda s: s["optim"][9].__setitem__("v", s["model"]["w0"]),
+    "model tied": lambda s: s["model"].__setitem__("w9", s["model"]["w0"]),
+    "model view at a tensor's address": lambda s: s["model"].__setitem__("w9", s["model"]["w0"][0]),
     "indexes moved": lambda s: s.__setitem__("aaa", {"first": torch.ones(1)}),
     "inference tensor": lambda s: s["optim"][3].__setitem__("m", _inference()),
 }
