@@ -45,6 +45,7 @@ from ._tree_values import JSON as JSON  # re-exported: the format modules import
 
 __all__ = [
     "INLINE_ARRAY_BYTES",
+    "Columns",
     "DataclassValue",
     "KeyCache",
     "Stateful",
@@ -302,6 +303,9 @@ class _Walker:
         self.lenient = lenient
         self.keys = keys
         self.tensors: list[TensorRef] = []
+        # each tensor's dtype and data pointer, as the walk read them (see Columns)
+        self.dtypes: list[torch.dtype] = []
+        self.pointers: list[int] = []
         self._by_ptr: dict[int, int | list[int]] = {}  # data pointer -> first tensor(s) there
         self._active: set[int] = set()
         self._replicated = 0  # depth of Replicated markers around the value being walked
@@ -491,9 +495,10 @@ class _Walker:
         keys = list(obj)
         if not set(map(type, keys)) <= _PLAIN_KEYS:
             return None
+        dtypes = list(map(_DTYPE, tensors))
         if (
             not set(map(_LAYOUT, tensors)) <= _STRIDED_ONLY
-            or not set(map(_DTYPE, tensors)) <= _DTYPE_NAMES.keys()
+            or not set(dtypes) <= _DTYPE_NAMES.keys()
             or any(map(_IS_META, tensors))
         ):
             return None
@@ -521,6 +526,8 @@ class _Walker:
             shape.place(base)
         self._by_ptr.update(found)
         self.tensors.extend(map(TensorRef, shape.paths, tensors, versions))
+        self.dtypes.extend(dtypes)
+        self.pointers.extend(pointers)
         for index, first in aliases:
             self.tensors[index].alias_of = first
         return shape.node
@@ -558,6 +565,8 @@ class _Walker:
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
             version = None
         self.tensors.append(TensorRef(key, t, version, first, dist, dtensor))
+        self.dtypes.append(t.dtype)
+        self.pointers.append(ptr)
         return index
 
 
@@ -583,8 +592,26 @@ def _tied(
     return {p: base + i for p, i in first.items()}, aliases
 
 
+class Columns:
+    """What a walk read of each of its tensors besides the :class:`TensorRef` (in the
+    refs' order): ``dtypes`` and ``pointers`` (data pointers). ``snapshot()``'s plan and
+    eager choice use them rather than reading every tensor a second time; they hold until
+    the refs' tensors are changed (the eager copies are made after both)."""
+
+    __slots__ = ("dtypes", "pointers")
+
+    def __init__(self) -> None:
+        self.dtypes: list[torch.dtype] = []
+        self.pointers: list[int] = []
+
+
 def walk_state(
-    state: Any, *, allow_pickle: bool, lenient: bool = False, keys: KeyCache | None = None
+    state: Any,
+    *,
+    allow_pickle: bool,
+    lenient: bool = False,
+    keys: KeyCache | None = None,
+    columns: Columns | None = None,
 ) -> tuple[JSON, list[TensorRef]]:
     """Walk ``state`` into its tagged-JSON tree and its tensors (see the module docstring).
 
@@ -592,7 +619,8 @@ def walk_state(
     encode instead of refusing them. A tensor seen a second time under another key (same
     storage, offset, shape, strides and dtype: a tied weight) becomes an alias of the first
     and is stored once. ``keys``: a :class:`KeyCache` kept across walks of the same state
-    (none: a fresh one, for this walk only).
+    (none: a fresh one, for this walk only). ``columns``, if given, receives each tensor's
+    dtype and data pointer as the walk read them (see :class:`Columns`).
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
@@ -601,4 +629,6 @@ def walk_state(
         )
     walker = _Walker(allow_pickle, lenient, KeyCache() if keys is None else keys)
     tree = walker.encode(state, "")
+    if columns is not None:
+        columns.dtypes, columns.pointers = walker.dtypes, walker.pointers
     return tree, walker.tensors

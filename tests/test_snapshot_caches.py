@@ -18,7 +18,7 @@ import lazyckpt
 from lazyckpt import _manifest
 from lazyckpt._engine import Flight
 from lazyckpt._manifest import LayoutOptions, Segment, TensorMeta, plan_layout
-from lazyckpt._tree import walk_state
+from lazyckpt._tree import Columns, walk_state
 from tiers import HostMemoryTier
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
@@ -149,10 +149,11 @@ def test_the_kept_choice_is_the_policys_choice_over_many_states() -> None:
                     k: next((t for t in pool if t.shape == v.shape and rng.random() < 0.5), v)
                     for k, v in state.items()
                 }
-            _, refs = walk_state(state, allow_pickle=False, keys=core._keys)
+            columns = Columns()
+            _, refs = walk_state(state, allow_pickle=False, keys=core._keys, columns=columns)
             expected = core.policy.choose(refs, core.owned_pointers())
-            core._plan(step, {}, refs, [r.dist for r in refs])
-            assert core._eager(refs) == expected, (step, state.keys())
+            core._plan(step, {}, refs, [r.dist for r in refs], columns.dtypes)
+            assert core._eager(columns.pointers) == expected, (step, state.keys())
     finally:
         ckpt.close()
 

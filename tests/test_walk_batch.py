@@ -9,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import lazyckpt
 from lazyckpt import CorruptionError, UnsupportedStateError, _tree, _tree_values
-from lazyckpt._tree import KeyCache, decode_tree, walk_state
+from lazyckpt._tree import Columns, KeyCache, decode_tree, walk_state
 from tiers import FileTier
 
 
@@ -32,9 +33,39 @@ def _walk(state: Any, batch: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any
         m.setattr(_tree._Walker, "_tensor_mapping", spy)
         keys = KeyCache()
         walk_state(state, allow_pickle=False, keys=keys)  # the second walk uses the caches
-        tree, refs = walk_state(state, allow_pickle=False, keys=keys)
+        columns = Columns()
+        tree, refs = walk_state(state, allow_pickle=False, keys=keys, columns=columns)
+    _check_columns(refs, columns)
     described = [(r.key, r.tensor.data_ptr(), r.version, r.alias_of, r.dist) for r in refs]
     return (tree, described), used
+
+
+def _check_columns(refs: list[Any], columns: Columns) -> None:
+    """What the walk says it read of each tensor is what the tensor has."""
+    assert columns.dtypes == [r.tensor.dtype for r in refs]
+    assert columns.pointers == [r.tensor.data_ptr() for r in refs]
+
+
+def test_columns_follow_every_kind_of_tensor() -> None:
+    gen = torch.Generator().manual_seed(1)
+    state = {
+        "model": _tied(),
+        "optim": {"state": _optimizer_state(9), "groups": [{"lr": 0.1, "params": [0, 1]}]},
+        "loose": [torch.ones(2, dtype=torch.float16), (torch.arange(3),)],
+        "array": np.arange(1000.0),  # large enough to be copied into a tensor
+        "rng": gen,
+    }
+    keys = KeyCache()
+    for _ in range(2):  # cold, then warm
+        columns = Columns()
+        _, refs = walk_state(state, allow_pickle=False, keys=keys, columns=columns)
+        assert len(refs) == 10 + 27 + 2 + 1 + 1  # model, optimizer, loose, array, rng
+        _check_columns(refs, columns)
+    state["model"]["layer3.weight"].data = torch.zeros(3, dtype=torch.float64)
+    columns = Columns()
+    _, refs = walk_state(state, allow_pickle=False, keys=keys, columns=columns)
+    _check_columns(refs, columns)
+    assert torch.float64 in columns.dtypes
 
 
 def _plain(n: int) -> dict[Any, Any]:
