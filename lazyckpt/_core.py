@@ -37,7 +37,6 @@ from ._options import CheckpointerOptions
 from ._preemption import PreemptionHandler
 from ._tier import Tier
 from ._tree import Columns, KeyCache, TensorRef, walk_state
-from ._tree_values import has_tag
 
 __all__ = ["_Core", "captures_done", "make_core"]
 
@@ -146,7 +145,7 @@ class _Core(_StepOps, _Lifecycle):
                 dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
                 assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
                 dists = [r.dist for r in refs]
-            manifest, nbytes = self._plan(step, tree, refs, dists, columns.dtypes)
+            manifest, nbytes = self._plan(step, tree, refs, dists, columns)
             # before anything can change them: copy what a forward pass may change (see
             # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below.
             # Planning read only keys, dtypes and shapes, which a copy keeps.
@@ -238,14 +237,14 @@ class _Core(_StepOps, _Lifecycle):
         tree: Any,
         refs: list[TensorRef],
         dists: list[Any],
-        dtypes: list[torch.dtype],
+        columns: Columns,
     ) -> tuple[Manifest, int]:
         """The layout for this snapshot and its tensor bytes; reused from the previous one
         when every tensor has the same key, dtype, shape, aliasing and placement (the usual
         case: the same model and optimizer every step), since planning is most of a first
         ``snapshot()``'s cost. Keeps, with the plan, the eager policy's choice as far as
-        that structure decides it (see :meth:`_eager`). ``dtypes``: the refs' dtypes as
-        the walk read them (``Columns``)."""
+        that structure decides it (see :meth:`_eager`). ``columns``: what the walk read
+        of the refs' tensors, and whether it pickled a value."""
         # parallel lists rather than one tuple per tensor: fewer objects for the collector.
         # List comprehensions, not map(attrgetter): about twice as fast on Python 3.11.
         # Keys are the key cache's own strings and dtypes singletons: comparing them is
@@ -253,12 +252,12 @@ class _Core(_StepOps, _Lifecycle):
         tensors = [r.tensor for r in refs]
         signature = (
             [r.key for r in refs],
-            dtypes,
+            columns.dtypes,
             [t.shape for t in tensors],
             [r.alias_of for r in refs],
             dists,
         )
-        pickled = self.options.allow_pickle and has_tag(tree, "$pickle")
+        pickled = columns.pickled  # only a walk with allow_pickle pickles anything
         cached = self._plan_cache
         if cached is not None and cached.signature == signature:
             fresh = replace(

@@ -306,6 +306,7 @@ class _Walker:
         # each tensor's dtype and data pointer, as the walk read them (see Columns)
         self.dtypes: list[torch.dtype] = []
         self.pointers: list[int] = []
+        self.pickled = False  # a value was stored as a pickle
         self._by_ptr: dict[int, int | list[int]] = {}  # data pointer -> first tensor(s) there
         self._active: set[int] = set()
         self._replicated = 0  # depth of Replicated markers around the value being walked
@@ -353,6 +354,7 @@ class _Walker:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
                 raise UnsupportedStateError(f"value at {key!r} cannot be pickled: {exc}") from exc
+            self.pickled = True
             return {"$pickle": base64.b64encode(data).decode("ascii")}
         raise UnsupportedStateError(
             f"value at {key!r} of type {type(obj).__qualname__} is not a tensor, a Stateful "
@@ -594,15 +596,18 @@ def _tied(
 
 class Columns:
     """What a walk read of each of its tensors besides the :class:`TensorRef` (in the
-    refs' order): ``dtypes`` and ``pointers`` (data pointers). ``snapshot()``'s plan and
-    eager choice use them rather than reading every tensor a second time; they hold until
-    the refs' tensors are changed (the eager copies are made after both)."""
+    refs' order): ``dtypes`` and ``pointers`` (data pointers); and whether it stored a
+    value as a pickle (``pickled``, rather than searching the tree for the tag).
+    ``snapshot()``'s plan and eager choice use them rather than reading every tensor a
+    second time; they hold until the refs' tensors are changed (the eager copies are made
+    after both)."""
 
-    __slots__ = ("dtypes", "pointers")
+    __slots__ = ("dtypes", "pickled", "pointers")
 
     def __init__(self) -> None:
         self.dtypes: list[torch.dtype] = []
         self.pointers: list[int] = []
+        self.pickled = False
 
 
 def walk_state(
@@ -620,7 +625,8 @@ def walk_state(
     storage, offset, shape, strides and dtype: a tied weight) becomes an alias of the first
     and is stored once. ``keys``: a :class:`KeyCache` kept across walks of the same state
     (none: a fresh one, for this walk only). ``columns``, if given, receives each tensor's
-    dtype and data pointer as the walk read them (see :class:`Columns`).
+    dtype and data pointer as the walk read them, and whether it pickled a value (see
+    :class:`Columns`).
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
@@ -631,4 +637,5 @@ def walk_state(
     tree = walker.encode(state, "")
     if columns is not None:
         columns.dtypes, columns.pointers = walker.dtypes, walker.pointers
+        columns.pickled = walker.pickled
     return tree, walker.tensors
