@@ -140,7 +140,7 @@ class _Core(_StepOps, _Lifecycle):
             tree, refs = walk_state(
                 state, allow_pickle=self.options.allow_pickle, keys=self._keys, columns=columns
             )
-            dists = [r.dist for r in refs]
+            dists = columns.dists
             if dists.count(None) != len(dists):
                 dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
                 assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
@@ -249,12 +249,12 @@ class _Core(_StepOps, _Lifecycle):
         # List comprehensions, not map(attrgetter): about twice as fast on Python 3.11.
         # Keys are the key cache's own strings and dtypes singletons: comparing them is
         # mostly comparing pointers.
-        tensors = [r.tensor for r in refs]
+        tensors = columns.tensors
         signature = (
-            [r.key for r in refs],
+            columns.keys,
             columns.dtypes,
             [t.shape for t in tensors],
-            [r.alias_of for r in refs],
+            columns.aliases,
             dists,
         )
         pickled = columns.pickled  # only a walk with allow_pickle pickles anything

@@ -303,10 +303,8 @@ class _Walker:
         self.lenient = lenient
         self.keys = keys
         self.tensors: list[TensorRef] = []
-        # each tensor's dtype and data pointer, as the walk read them (see Columns)
-        self.dtypes: list[torch.dtype] = []
-        self.pointers: list[int] = []
-        self.pickled = False  # a value was stored as a pickle
+        # per tensor, as the walk found them (see Columns)
+        self.columns = Columns()
         self._by_ptr: dict[int, int | list[int]] = {}  # data pointer -> first tensor(s) there
         self._active: set[int] = set()
         self._replicated = 0  # depth of Replicated markers around the value being walked
@@ -354,7 +352,7 @@ class _Walker:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
                 raise UnsupportedStateError(f"value at {key!r} cannot be pickled: {exc}") from exc
-            self.pickled = True
+            self.columns.pickled = True
             return {"$pickle": base64.b64encode(data).decode("ascii")}
         raise UnsupportedStateError(
             f"value at {key!r} of type {type(obj).__qualname__} is not a tensor, a Stateful "
@@ -528,10 +526,15 @@ class _Walker:
             shape.place(base)
         self._by_ptr.update(found)
         self.tensors.extend(map(TensorRef, shape.paths, tensors, versions))
-        self.dtypes.extend(dtypes)
-        self.pointers.extend(pointers)
-        for index, first in aliases:
-            self.tensors[index].alias_of = first
+        columns = self.columns
+        columns.keys.extend(shape.paths)
+        columns.tensors.extend(tensors)
+        columns.dtypes.extend(dtypes)
+        columns.pointers.extend(pointers)
+        columns.dists.extend(itertools.repeat(None, len(tensors)))
+        columns.aliases.extend(itertools.repeat(None, len(tensors)))
+        for index, first in aliases:  # the indexes are the refs', and so the columns'
+            self.tensors[index].alias_of = columns.aliases[index] = first
         return shape.node
 
     def _add_tensor(self, t: torch.Tensor, key: str) -> int:
@@ -567,8 +570,13 @@ class _Walker:
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
             version = None
         self.tensors.append(TensorRef(key, t, version, first, dist, dtensor))
-        self.dtypes.append(t.dtype)
-        self.pointers.append(ptr)
+        columns = self.columns
+        columns.keys.append(key)
+        columns.tensors.append(t)
+        columns.dtypes.append(t.dtype)
+        columns.pointers.append(ptr)
+        columns.aliases.append(first)
+        columns.dists.append(dist)
         return index
 
 
@@ -595,18 +603,24 @@ def _tied(
 
 
 class Columns:
-    """What a walk read of each of its tensors besides the :class:`TensorRef` (in the
-    refs' order): ``dtypes`` and ``pointers`` (data pointers); and whether it stored a
-    value as a pickle (``pickled``, rather than searching the tree for the tag).
-    ``snapshot()``'s plan and eager choice use them rather than reading every tensor a
-    second time; they hold until the refs' tensors are changed (the eager copies are made
-    after both)."""
+    """What a walk found, per tensor, in lists in the refs' order: each
+    :class:`TensorRef`'s ``keys``, ``tensors``, ``aliases`` (``alias_of``) and ``dists``
+    as the walk made them, and what it read of each tensor besides, its ``dtypes`` and
+    ``pointers`` (data pointers); and whether it stored a value as a pickle (``pickled``,
+    rather than searching the tree for the tag). ``snapshot()``'s plan and eager choice
+    use them rather than going over the refs, or reading every tensor, a second time;
+    they hold until the refs are changed (the eager copies are made after both, and a
+    distributed snapshot's writers are assigned on the refs: ``dists`` is then stale)."""
 
-    __slots__ = ("dtypes", "pickled", "pointers")
+    __slots__ = ("aliases", "dists", "dtypes", "keys", "pickled", "pointers", "tensors")
 
     def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.tensors: list[torch.Tensor] = []
         self.dtypes: list[torch.dtype] = []
         self.pointers: list[int] = []
+        self.aliases: list[int | None] = []
+        self.dists: list[DistInfo | None] = []
         self.pickled = False
 
 
@@ -636,6 +650,6 @@ def walk_state(
     walker = _Walker(allow_pickle, lenient, KeyCache() if keys is None else keys)
     tree = walker.encode(state, "")
     if columns is not None:
-        columns.dtypes, columns.pointers = walker.dtypes, walker.pointers
-        columns.pickled = walker.pickled
+        for name in Columns.__slots__:
+            setattr(columns, name, getattr(walker.columns, name))
     return tree, walker.tensors

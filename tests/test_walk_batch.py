@@ -4,6 +4,7 @@ every change a walk with empty caches would."""
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,11 @@ def _check_columns(refs: list[Any], columns: Columns) -> None:
     """What the walk says it read of each tensor is what the tensor has."""
     assert columns.dtypes == [r.tensor.dtype for r in refs]
     assert columns.pointers == [r.tensor.data_ptr() for r in refs]
+    assert columns.keys == [r.key for r in refs]
+    assert len(columns.tensors) == len(refs)
+    assert all(map(operator.is_, columns.tensors, [r.tensor for r in refs]))
+    assert columns.aliases == [r.alias_of for r in refs]
+    assert columns.dists == [r.dist for r in refs]
 
 
 def test_columns_follow_every_kind_of_tensor() -> None:
@@ -54,12 +60,14 @@ def test_columns_follow_every_kind_of_tensor() -> None:
         "loose": [torch.ones(2, dtype=torch.float16), (torch.arange(3),)],
         "array": np.arange(1000.0),  # large enough to be copied into a tensor
         "rng": gen,
+        "replicated": lazyckpt.Replicated({f"r{i}": torch.ones(2) for i in range(9)}),
     }
     keys = KeyCache()
     for _ in range(2):  # cold, then warm
         columns = Columns()
         _, refs = walk_state(state, allow_pickle=False, keys=keys, columns=columns)
-        assert len(refs) == 10 + 27 + 2 + 1 + 1  # model, optimizer, loose, array, rng
+        assert len(refs) == 10 + 27 + 2 + 1 + 1 + 9  # model, optimizer, loose, array, rng, ...
+        assert columns.dists.count(None) == len(refs) - 9
         _check_columns(refs, columns)
     state["model"]["layer3.weight"].data = torch.zeros(3, dtype=torch.float64)
     columns = Columns()
