@@ -93,10 +93,15 @@ async def test_restored_tensors_are_freed_once_dropped(tmp_path: Path, way: str)
         storages = [_weak_storage(t) for t in got]
         del restored, got, into
         # the future that woke this coroutine holds the result until it next yields to
-        # the loop (asyncio keeps the handle it runs): one yield, then nothing may hold it
-        await asyncio.sleep(0)
-        gc.collect()
-        alive = [i for i, s in enumerate(storages) if not s.expired()]  # type: ignore[no-untyped-call]
+        # the loop (asyncio keeps the handle it runs), and a reading thread lets go of its
+        # last job's arguments when that job's future is done: a bounded wait, then
+        # nothing may hold them
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            gc.collect()
+            alive = [i for i, s in enumerate(storages) if not s.expired()]  # type: ignore[no-untyped-call]
+            if not alive:
+                break
         assert alive == [], f"restored storages {alive} outlive the state ({way})"
 
 

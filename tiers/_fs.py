@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import json
@@ -41,9 +42,32 @@ async def read_small(path: Path) -> bytes:
     manifest read or an index read never queues behind the multi-MiB writes of a snapshot
     in flight. Raises the ``OSError`` the read raised (``FileNotFoundError`` when absent).
     """
-    async with aiofiles.open(path, "rb") as f:
+    # a read cancelled while the executor opens the file would lose the file object the
+    # open still returns (an unclosed file, reported when it is collected): the open is
+    # shielded, and a file it opens for a cancelled read is closed when it arrives
+    opening: asyncio.Future[Any] = asyncio.ensure_future(aiofiles.open(path, "rb"))
+    try:
+        f = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_orphan)
+        raise
+    try:
         data: bytes = await f.read()
+    finally:
+        await f.close()
     return data
+
+
+_closing: set[asyncio.Task[None]] = set()  # held until done (the loop keeps weak references)
+
+
+def _close_orphan(opening: asyncio.Future[Any]) -> None:
+    """Close the file an open shielded from a cancelled :func:`read_small` returned."""
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    task = asyncio.ensure_future(opening.result().close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
 
 
 def remove_tree(path: Path) -> None:
