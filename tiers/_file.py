@@ -50,8 +50,6 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-import aiofiles.os
-
 from lazyckpt import hooks
 from lazyckpt.tier import (
     ConfigurationError,
@@ -159,6 +157,11 @@ class FileTier(Tier):
         # committed step -> the steps its manifests (every rank's) refer to, or None when
         # they could not be read (then anything may be referred to): see _referenced
         self._refers: dict[int, frozenset[int] | None] = {}
+        # retirements made by this writer, and how many there had been when a collect pass
+        # last left no retired directory behind: while they are equal there is nothing to
+        # collect, and collect() answers without a job (see collect)
+        self._retirements = 0
+        self._collected_at: int | None = None
         self._lock: WriterLock | None = None
         self._closed = False
 
@@ -480,20 +483,17 @@ class FileTier(Tier):
     # -- reading -----------------------------------------------------------------------------
 
     async def steps(self) -> list[int]:
-        """The step directories holding a manifest. A listing, with aiofiles like the
-        manifests: it never waits behind the writes queued on this tier's pool."""
+        """The step directories holding a manifest: the listing and every directory's look
+        for a manifest in one job on the event loop's executor (off this tier's pool, so it
+        never waits behind the writes queued there). One job, not one per directory: each
+        job is a take of the interpreter lock by a pool thread and a wake-up of the loop,
+        which a launch-bound training thread pays for, and retention lists after every
+        commit (docs/design.md, "Staying out of the training thread's way")."""
         if self._closed:
             raise TierClosedError("closed", tier=self.name)
+        loop = asyncio.get_running_loop()
         with backend_errors(self.name, f"list {self.root}"):
-            try:
-                names = await aiofiles.os.listdir(self.root)
-            except FileNotFoundError:
-                return []
-            steps = {int(m.group(1)): name for name in names if (m := STEP_DIR.match(name))}
-            found = await asyncio.gather(
-                *(aiofiles.os.path.exists(self.root / name / MANIFEST) for name in steps.values())
-            )
-        return sorted(step for step, there in zip(steps, found, strict=True) if there)
+            return await loop.run_in_executor(None, self._committed_sync)
 
     async def read_manifest(self, step: int) -> Manifest:
         return await self.read_rank_manifest(step, self.rank)
@@ -579,7 +579,9 @@ class FileTier(Tier):
         if retired:
             # committed incremental steps read shards from its data files: it stays, marked
             # (before the un-commit, so that a crash cannot leave it unmarked), and collect()
-            # removes it once no committed step refers to it
+            # removes it once no committed step refers to it (counted before the mark is
+            # written, so that a collect pass running meanwhile cannot miss it)
+            self._retirements += 1
             with contextlib.suppress(FileNotFoundError):
                 os.close(os.open(d / RETIRED, os.O_WRONLY | os.O_CREAT, 0o644))
             hooks.point("file.delete.retired")
@@ -609,26 +611,32 @@ class FileTier(Tier):
         """Remove every retired step directory (no manifest) that no committed step refers
         to and that is not in ``keep``; see the module docstring."""
         self._writable("collect unreferenced data")
+        if self.world_size == 1 and self._collected_at == self._retirements:
+            # the last pass left nothing retired and this writer retired nothing since; no
+            # other process retires here (the writer's lock), so there is nothing to look
+            # for: retention calls this after every delete, and a job is a take of the
+            # interpreter lock and a wake-up of the loop
+            return []
         removed = await self._run(f"collect in {self.root}", self._collect_sync, frozenset(keep))
         assert isinstance(removed, list)
         return removed
 
     def _collect_sync(self, keep: frozenset[int]) -> list[int]:
+        seen = self._retirements
         if not self.root.exists():
+            self._collected_at = seen
             return []
-        retired = []
+        marked = []
         for entry in self.root.iterdir():
             # only what delete() retired: a directory without a manifest may also be a step
             # another rank is writing
             m = STEP_DIR.match(entry.name)
-            if (
-                m
-                and int(m.group(1)) not in keep
-                and (entry / RETIRED).exists()
-                and not (entry / MANIFEST).exists()
-            ):
-                retired.append(int(m.group(1)))
+            if m and (entry / RETIRED).exists() and not (entry / MANIFEST).exists():
+                marked.append(int(m.group(1)))
+        retired = [step for step in marked if step not in keep]
         if not retired:
+            if not marked:
+                self._collected_at = seen
             return []
         referenced = self._referenced_sync()
         if referenced is None:
@@ -647,6 +655,8 @@ class FileTier(Tier):
                 if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
                     raise
             removed.append(step)
+        if len(removed) == len(marked):
+            self._collected_at = seen
         return removed
 
     def _referenced_sync(self) -> set[int] | None:
@@ -664,16 +674,18 @@ class FileTier(Tier):
         return found
 
     def _committed_sync(self) -> list[int]:
-        """The committed steps, listed from a thread of the tier's pool (as the reference
-        checks that need them run there)."""
+        """The committed steps: a listing and one ``stat`` per step directory, blocking (on
+        the loop's executor for :meth:`steps`, on the tier's pool for the reference checks
+        that need them)."""
+        root = str(self.root)
         try:
-            names = os.listdir(self.root)
+            names = os.listdir(root)
         except FileNotFoundError:
             return []
         return sorted(
             int(m.group(1))
             for name in names
-            if (m := STEP_DIR.match(name)) and (self.root / name / MANIFEST).exists()
+            if (m := STEP_DIR.match(name)) and os.path.exists(os.path.join(root, name, MANIFEST))
         )
 
     def _read_references(self, step: int) -> frozenset[int] | None:
