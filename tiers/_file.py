@@ -68,7 +68,7 @@ from lazyckpt.tier import (
 from ._file_io import ALIGN, address, probe_direct, pwrite, pwrite_many
 from ._file_location import MANIFEST, MARKER, RETIRED, STEP_DIR, marker_document, survey
 from ._file_read import combine, read_piece
-from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
+from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_flat
 
 __all__ = ["FileTier"]
 
@@ -161,8 +161,19 @@ class FileTier(Tier):
         # last left no retired directory behind: while they are equal there is nothing to
         # collect, and collect() answers without a job (see collect)
         self._retirements = 0
+        # the committed steps, as this writer knows them (see steps()): None until a listing
+        # or after anything that may have left the disk unlike it (a failed commit or
+        # delete); _changes counts the commits and deletes begun, so that a listing that
+        # ran beside one is not taken for the answer
+        self._committed: set[int] | None = None
+        self._changes = 0
         self._collected_at: int | None = None
         self._lock: WriterLock | None = None
+        # the root, held open from the first commit on: every commit fsyncs it (for the
+        # step directory's entry), one call instead of three (open, fsync, close), each of
+        # which is a take of the interpreter lock by the pool thread
+        self._root_fd: int | None = None
+        self._root_fd_lock = threading.Lock()
         self._closed = False
 
     def describe(self) -> dict[str, object]:
@@ -269,6 +280,10 @@ class FileTier(Tier):
             self._pool.shutdown(wait=True)
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True)
+        if self._root_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._root_fd)
+            self._root_fd = None
         if self._lock is not None:
             self._lock.release()  # after the last write: the next writer may start now
             self._lock = None
@@ -398,12 +413,19 @@ class FileTier(Tier):
     async def commit(self, manifest: Manifest) -> None:
         self._writable("commit a snapshot")
         opened = self._writing.pop(manifest.step, None)
-        await self._run(
-            f"commit step {manifest.step} in {self._dir(manifest.step)}",
-            self._commit_sync,
-            manifest,
-            opened,
-        )
+        self._changes += 1
+        try:
+            await self._run(
+                f"commit step {manifest.step} in {self._dir(manifest.step)}",
+                self._commit_sync,
+                manifest,
+                opened,
+            )
+        except BaseException:
+            self._committed = None  # the manifest may have landed: list again
+            raise
+        if self._committed is not None and manifest.world_size == 1:
+            self._committed.add(manifest.step)
 
     async def commit_global(self, step: int, world_size: int) -> None:
         """Write the commit record of a step written by ``world_size`` ranks (idempotent)."""
@@ -411,6 +433,8 @@ class FileTier(Tier):
             {"format": "lazyckpt-commit", "step": step, "world_size": world_size}
         ).encode()
         self._writable("commit a snapshot")
+        self._changes += 1
+        self._committed = None  # several ranks: steps() lists every time
         await self._run(
             f"commit step {step} in {self._dir(step)}",
             self._publish,
@@ -438,7 +462,16 @@ class FileTier(Tier):
             hooks.point("file.commit.after_rename")
         fsync_dir(d)
         if sync_root:
-            fsync_dir(self.root)
+            os.fsync(self._root_dir_fd())
+
+    def _root_dir_fd(self) -> int:
+        """The root's descriptor for ``fsync`` (opened once, closed by :meth:`aclose`)."""
+        with self._root_fd_lock:
+            if self._root_fd is None:
+                self._root_fd = os.open(
+                    self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+                )
+            return self._root_fd
 
     def _commit_sync(self, manifest: Manifest, opened: tuple[int, bool] | None) -> None:
         d = self._dir(manifest.step)
@@ -483,17 +516,36 @@ class FileTier(Tier):
     # -- reading -----------------------------------------------------------------------------
 
     async def steps(self) -> list[int]:
-        """The step directories holding a manifest: the listing and every directory's look
-        for a manifest in one job on the event loop's executor (off this tier's pool, so it
-        never waits behind the writes queued there). One job, not one per directory: each
-        job is a take of the interpreter lock by a pool thread and a wake-up of the loop,
-        which a launch-bound training thread pays for, and retention lists after every
-        commit (docs/design.md, "Staying out of the training thread's way")."""
+        """The step directories holding a manifest.
+
+        A writer of a single process answers from what it knows, without a job: the
+        directory listed once (at the first call), then its own commits and deletes, which
+        are the only ones there can be (another writer is refused by the lock, a reader
+        changes nothing). Retention lists after every commit, and a job costs a pool
+        thread's takes of the interpreter lock and a wake-up of the loop, which a
+        launch-bound training thread pays for (docs/design.md, "Staying out of the training
+        thread's way"). A commit or delete that failed, or several ranks sharing the root,
+        make it list again. The listing and each directory's look for a manifest run in one
+        job on the event loop's executor (off this tier's pool, so it never waits behind
+        the writes queued there)."""
         if self._closed:
             raise TierClosedError("closed", tier=self.name)
+        known = self._known()
+        if known is not None:
+            return sorted(known)
+        before = self._changes
         loop = asyncio.get_running_loop()
         with backend_errors(self.name, f"list {self.root}"):
-            return await loop.run_in_executor(None, self._committed_sync)
+            listed = await loop.run_in_executor(None, self._committed_sync)
+        if self._changes == before and self._lock is not None and not self.readonly:
+            self._committed = set(listed)  # no commit or delete ran beside the listing
+        return listed
+
+    def _known(self) -> set[int] | None:
+        """The committed steps this writer knows of, where only it changes them."""
+        if self.readonly or self._lock is None or self.world_size != 1:
+            return None
+        return self._committed
 
     async def read_manifest(self, step: int) -> Manifest:
         return await self.read_rank_manifest(step, self.rank)
@@ -570,11 +622,24 @@ class FileTier(Tier):
 
     async def delete(self, step: int) -> None:
         self._writable("delete a snapshot")
-        await self._run(f"delete step {step} in {self._dir(step)}", self._delete_sync, step)
+        self._changes += 1
+        try:
+            known = self._known()  # spares the job a listing of the root
+            await self._run(
+                f"delete step {step} in {self._dir(step)}",
+                self._delete_sync,
+                step,
+                None if known is None else frozenset(known),
+            )
+        except BaseException:
+            self._committed = None  # the manifest may be gone or not: list again
+            raise
+        if self._committed is not None:
+            self._committed.discard(step)
 
-    def _delete_sync(self, step: int) -> None:
+    def _delete_sync(self, step: int, committed: frozenset[int] | None = None) -> None:
         d = self._dir(step)
-        referenced = self._referenced_sync() if d.exists() else set()
+        referenced = self._referenced_sync(committed) if d.exists() else set()
         retired = referenced is None or step in referenced
         if retired:
             # committed incremental steps read shards from its data files: it stays, marked
@@ -598,7 +663,7 @@ class FileTier(Tier):
         # Lustre may then answer ENOTEMPTY, ESTALE or EBUSY: one rank must not fail a step
         # the others take, so there it is a warning, and the next open() sweeps what is left.
         try:
-            remove_tree(d)
+            remove_flat(d)
         except OSError as exc:
             if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
                 raise
@@ -650,7 +715,7 @@ class FileTier(Tier):
                 continue
             hooks.point("file.collect.before_remove")
             try:
-                remove_tree(d)
+                remove_flat(d)
             except OSError as exc:
                 if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
                     raise
@@ -659,11 +724,13 @@ class FileTier(Tier):
             self._collected_at = seen
         return removed
 
-    def _referenced_sync(self) -> set[int] | None:
+    def _referenced_sync(self, committed: frozenset[int] | None = None) -> set[int] | None:
         """The steps whose data committed steps refer to (every rank's manifests); None when
-        a committed manifest could not be read, so that nothing is removed on a guess."""
+        a committed manifest could not be read, so that nothing is removed on a guess.
+        ``committed``: the committed steps where the writer knows them (see :meth:`steps`),
+        else they are listed."""
         found: set[int] = set()
-        for step in self._committed_sync():
+        for step in self._committed_sync() if committed is None else sorted(committed):
             refers = self._refers.get(step)
             if refers is None:
                 refers = self._read_references(step)
