@@ -170,12 +170,18 @@ def _config(quick: bool, model: str) -> E2EConfig:
 
 
 def run(
-    quick: bool, tmp: Path, progress: Progress, reps: int | None, model_name: str = "e2e"
+    quick: bool,
+    tmp: Path,
+    progress: Progress,
+    reps: int | None,
+    model_name: str = "e2e",
+    intervals: list[int] | None = None,
 ) -> dict[str, Any]:
     warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     cfg = _config(quick, model_name)
     reps = reps or cfg.reps
+    intervals = intervals or INTERVALS
     torch.manual_seed(0)
     model = GPT(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -205,7 +211,7 @@ def run(
     rows: list[dict[str, Any]] = []
     try:
         with _split_core():
-            for every in INTERVALS:
+            for every in intervals:
                 iters = iterations(every, quick)
                 trials: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
                 for rep, name in abab(METHODS, reps):
@@ -249,7 +255,7 @@ def run(
             "checkpoint_bytes": ckpt_bytes,
             "tensors": n_tensors,
             "reps": reps,
-            "intervals": INTERVALS,
+            "intervals": intervals,
         },
         "rows": rows,
         "steady_state": steady,
@@ -411,6 +417,12 @@ def _main() -> None:
         help="e2e: the end-to-end benchmark's 91 M-parameter GPT (the target's); small: 23 M",
     )
     parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument(
+        "--intervals",
+        type=lambda text: [int(k) for k in text.split(",")],
+        default=None,
+        help="comma-separated checkpoint intervals (default 1,2,4,8,16)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--img", type=Path, default=None, help="write the plot there")
     parser.add_argument("--tmp", type=Path, default=None)
@@ -419,7 +431,9 @@ def _main() -> None:
     started = dt.datetime.now(dt.UTC)
     load_before = loadavg()
     with scratch_dir(args.tmp, "stall-sweep-") as tmp:
-        results = run(args.quick, tmp, progress, 1 if args.quick else args.reps, args.model)
+        results = run(
+            args.quick, tmp, progress, 1 if args.quick else args.reps, args.model, args.intervals
+        )
     doc = {
         "schema": 1,
         "benchmark": "stall_sweep",
