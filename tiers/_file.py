@@ -165,7 +165,8 @@ class FileTier(Tier):
         # or after anything that may have left the disk unlike it (a failed commit or
         # delete); _changes counts the commits and deletes begun, so that a listing that
         # ran beside one is not taken for the answer
-        self._committed: set[int] | None = None
+        # (a frozenset, replaced on each change: pool threads read it while the loop changes it)
+        self._committed: frozenset[int] | None = None
         self._changes = 0
         self._collected_at: int | None = None
         self._lock: WriterLock | None = None
@@ -425,7 +426,7 @@ class FileTier(Tier):
             self._committed = None  # the manifest may have landed: list again
             raise
         if self._committed is not None and manifest.world_size == 1:
-            self._committed.add(manifest.step)
+            self._committed = self._committed | {manifest.step}
 
     async def commit_global(self, step: int, world_size: int) -> None:
         """Write the commit record of a step written by ``world_size`` ranks (idempotent)."""
@@ -538,10 +539,10 @@ class FileTier(Tier):
         with backend_errors(self.name, f"list {self.root}"):
             listed = await loop.run_in_executor(None, self._committed_sync)
         if self._changes == before and self._lock is not None and not self.readonly:
-            self._committed = set(listed)  # no commit or delete ran beside the listing
+            self._committed = frozenset(listed)  # no commit or delete ran beside the listing
         return listed
 
-    def _known(self) -> set[int] | None:
+    def _known(self) -> frozenset[int] | None:
         """The committed steps this writer knows of, where only it changes them."""
         if self.readonly or self._lock is None or self.world_size != 1:
             return None
@@ -624,22 +625,16 @@ class FileTier(Tier):
         self._writable("delete a snapshot")
         self._changes += 1
         try:
-            known = self._known()  # spares the job a listing of the root
-            await self._run(
-                f"delete step {step} in {self._dir(step)}",
-                self._delete_sync,
-                step,
-                None if known is None else frozenset(known),
-            )
+            await self._run(f"delete step {step} in {self._dir(step)}", self._delete_sync, step)
         except BaseException:
             self._committed = None  # the manifest may be gone or not: list again
             raise
         if self._committed is not None:
-            self._committed.discard(step)
+            self._committed = self._committed - {step}
 
-    def _delete_sync(self, step: int, committed: frozenset[int] | None = None) -> None:
+    def _delete_sync(self, step: int) -> None:
         d = self._dir(step)
-        referenced = self._referenced_sync(committed) if d.exists() else set()
+        referenced = self._referenced_sync() if d.exists() else set()
         retired = referenced is None or step in referenced
         if retired:
             # committed incremental steps read shards from its data files: it stays, marked
@@ -724,11 +719,11 @@ class FileTier(Tier):
             self._collected_at = seen
         return removed
 
-    def _referenced_sync(self, committed: frozenset[int] | None = None) -> set[int] | None:
+    def _referenced_sync(self) -> set[int] | None:
         """The steps whose data committed steps refer to (every rank's manifests); None when
-        a committed manifest could not be read, so that nothing is removed on a guess.
-        ``committed``: the committed steps where the writer knows them (see :meth:`steps`),
-        else they are listed."""
+        a committed manifest could not be read, so that nothing is removed on a guess. The
+        committed steps are those the writer knows (see :meth:`steps`), else listed."""
+        committed = self._known()
         found: set[int] = set()
         for step in self._committed_sync() if committed is None else sorted(committed):
             refers = self._refers.get(step)
