@@ -36,8 +36,7 @@ from ._optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap
 from ._options import CheckpointerOptions
 from ._preemption import PreemptionHandler
 from ._tier import Tier
-from ._tree import KeyCache, TensorRef, walk_state
-from ._tree_values import has_tag
+from ._tree import Columns, KeyCache, TensorRef, walk_state
 
 __all__ = ["_Core", "captures_done", "make_core"]
 
@@ -137,19 +136,20 @@ class _Core(_StepOps, _Lifecycle):
         self.report_failures()
         self.lazy.wait_blocking()  # a snapshot must not see half-loaded optimizer state
         with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
+            columns = Columns()
             tree, refs = walk_state(
-                state, allow_pickle=self.options.allow_pickle, keys=self._keys
+                state, allow_pickle=self.options.allow_pickle, keys=self._keys, columns=columns
             )
-            dists = [r.dist for r in refs]
+            dists = columns.dists
             if dists.count(None) != len(dists):
                 dedup = all(isinstance(t, SupportsRankManifests) for t in self.engine.durable)
                 assign_writers(refs, self.engine.rank, self.engine.world_size, dedup)
                 dists = [r.dist for r in refs]
-            manifest, nbytes = self._plan(step, tree, refs, dists)
+            manifest, nbytes = self._plan(step, tree, refs, dists, columns)
             # before anything can change them: copy what a forward pass may change (see
             # EagerPolicy); on a GPU this is enqueued before the snapshot's mark below.
             # Planning read only keys, dtypes and shapes, which a copy keeps.
-            chosen = self._eager(refs)
+            chosen = self._eager(columns.pointers)
             if chosen:
                 copy_eager(refs, chosen)
         if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
@@ -232,26 +232,32 @@ class _Core(_StepOps, _Lifecycle):
         return SnapshotHandle(self.engine, None, step)
 
     def _plan(
-        self, step: int, tree: Any, refs: list[TensorRef], dists: list[Any]
+        self,
+        step: int,
+        tree: Any,
+        refs: list[TensorRef],
+        dists: list[Any],
+        columns: Columns,
     ) -> tuple[Manifest, int]:
         """The layout for this snapshot and its tensor bytes; reused from the previous one
         when every tensor has the same key, dtype, shape, aliasing and placement (the usual
         case: the same model and optimizer every step), since planning is most of a first
         ``snapshot()``'s cost. Keeps, with the plan, the eager policy's choice as far as
-        that structure decides it (see :meth:`_eager`)."""
+        that structure decides it (see :meth:`_eager`). ``columns``: what the walk read
+        of the refs' tensors, and whether it pickled a value."""
         # parallel lists rather than one tuple per tensor: fewer objects for the collector.
         # List comprehensions, not map(attrgetter): about twice as fast on Python 3.11.
         # Keys are the key cache's own strings and dtypes singletons: comparing them is
         # mostly comparing pointers.
-        tensors = [r.tensor for r in refs]
+        tensors = columns.tensors
         signature = (
-            [r.key for r in refs],
-            [t.dtype for t in tensors],
+            columns.keys,
+            columns.dtypes,
             [t.shape for t in tensors],
-            [r.alias_of for r in refs],
+            columns.aliases,
             dists,
         )
-        pickled = self.options.allow_pickle and has_tag(tree, "$pickle")
+        pickled = columns.pickled  # only a walk with allow_pickle pickles anything
         cached = self._plan_cache
         if cached is not None and cached.signature == signature:
             fresh = replace(
@@ -290,17 +296,18 @@ class _Core(_StepOps, _Lifecycle):
         kept = set(forced)
         return forced, [i for i in unowned if i not in kept]
 
-    def _eager(self, refs: list[TensorRef]) -> list[int]:
+    def _eager(self, every: list[int]) -> list[int]:
         """Indexes of the refs to copy at ``snapshot()``, in order: what
         ``self.policy.choose(refs, self.owned_pointers())`` returns, from the choice kept
-        with the plan (``refs`` must have its structure: call after :meth:`_plan`), reading
-        only the candidates' data pointers. An alias has its tensor's data pointer, so it
-        is picked with it, as the policy wants."""
+        with the plan (the refs must have its structure: call after :meth:`_plan`), looking
+        only at the candidates' data pointers (``every``: the refs' data pointers as the
+        walk read them, ``Columns``). An alias has its tensor's data pointer, so it is
+        picked with it, as the policy wants."""
         assert self._plan_cache is not None
         forced, candidates = self._plan_cache.forced, self._plan_cache.candidates
         if not candidates:
             return forced
-        pointers = [refs[i].tensor.data_ptr() for i in candidates]
+        pointers = list(map(every.__getitem__, candidates))
         owned = self.owned_pointers()
         if owned.issuperset(pointers):  # the usual case: the optimizers own all of them
             return forced

@@ -45,6 +45,7 @@ from ._tree_values import JSON as JSON  # re-exported: the format modules import
 
 __all__ = [
     "INLINE_ARRAY_BYTES",
+    "Columns",
     "DataclassValue",
     "KeyCache",
     "Stateful",
@@ -302,6 +303,8 @@ class _Walker:
         self.lenient = lenient
         self.keys = keys
         self.tensors: list[TensorRef] = []
+        # per tensor, as the walk found them (see Columns)
+        self.columns = Columns()
         self._by_ptr: dict[int, int | list[int]] = {}  # data pointer -> first tensor(s) there
         self._active: set[int] = set()
         self._replicated = 0  # depth of Replicated markers around the value being walked
@@ -349,6 +352,7 @@ class _Walker:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
                 raise UnsupportedStateError(f"value at {key!r} cannot be pickled: {exc}") from exc
+            self.columns.pickled = True
             return {"$pickle": base64.b64encode(data).decode("ascii")}
         raise UnsupportedStateError(
             f"value at {key!r} of type {type(obj).__qualname__} is not a tensor, a Stateful "
@@ -463,8 +467,10 @@ class _Walker:
         body per tensor: a mapping of str or int keys to plain tensors (a module's state
         dict), or to plain dicts of those (an unflattened optimizer state, ``{i: {"exp_avg":
         t, ...}}``). None, having changed nothing but the key cache, when the mapping is
-        neither or a tensor needs a closer look (an unusual tensor, an alias, no version
-        counter): the general loop then walks it.
+        neither or a tensor needs a closer look (an unusual tensor, no version counter, a
+        data pointer shared with a tensor outside it or by two different views): the
+        general loop then walks it. Aliases within it (a tied weight under two keys) are
+        recorded here as the loop records them.
 
         Every tensor's type, layout, dtype, version counter and data pointer are read on
         every walk; what is kept from the last walk (:class:`_MappingShape`) is only what
@@ -489,9 +495,10 @@ class _Walker:
         keys = list(obj)
         if not set(map(type, keys)) <= _PLAIN_KEYS:
             return None
+        dtypes = list(map(_DTYPE, tensors))
         if (
             not set(map(_LAYOUT, tensors)) <= _STRIDED_ONLY
-            or not set(map(_DTYPE, tensors)) <= _DTYPE_NAMES.keys()
+            or not set(dtypes) <= _DTYPE_NAMES.keys()
             or any(map(_IS_META, tensors))
         ):
             return None
@@ -500,9 +507,16 @@ class _Walker:
         except (RuntimeError, AttributeError):  # an inference tensor: no version counter
             return None
         base = len(self.tensors)
-        found = dict(zip(map(_DATA_PTR, tensors), range(base, base + len(tensors)), strict=True))
-        if len(found) != len(tensors) or not self._by_ptr.keys().isdisjoint(found):
-            return None  # a data pointer seen twice: perhaps an alias
+        pointers = list(map(_DATA_PTR, tensors))
+        found = dict(zip(pointers, range(base, base + len(tensors)), strict=True))
+        aliases: list[tuple[int, int]] = []
+        if len(found) != len(tensors):  # a data pointer seen twice in here: a tied weight?
+            tied = _tied(tensors, pointers, base)
+            if tied is None:
+                return None  # not only exact aliases: the general loop sorts them out
+            found, aliases = tied
+        if not self._by_ptr.keys().isdisjoint(found):
+            return None  # shares a data pointer with an earlier tensor: perhaps an alias
         shape = self.keys.mappings.get(key)
         # the key types are checked above, so equal lists are the same keys (1 == True and
         # 1 == 1.0 cannot pass for one another here)
@@ -512,6 +526,15 @@ class _Walker:
             shape.place(base)
         self._by_ptr.update(found)
         self.tensors.extend(map(TensorRef, shape.paths, tensors, versions))
+        columns = self.columns
+        columns.keys.extend(shape.paths)
+        columns.tensors.extend(tensors)
+        columns.dtypes.extend(dtypes)
+        columns.pointers.extend(pointers)
+        columns.dists.extend(itertools.repeat(None, len(tensors)))
+        columns.aliases.extend(itertools.repeat(None, len(tensors)))
+        for index, first in aliases:  # the indexes are the refs', and so the columns'
+            self.tensors[index].alias_of = columns.aliases[index] = first
         return shape.node
 
     def _add_tensor(self, t: torch.Tensor, key: str) -> int:
@@ -547,11 +570,67 @@ class _Walker:
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter
             version = None
         self.tensors.append(TensorRef(key, t, version, first, dist, dtensor))
+        columns = self.columns
+        columns.keys.append(key)
+        columns.tensors.append(t)
+        columns.dtypes.append(t.dtype)
+        columns.pointers.append(ptr)
+        columns.aliases.append(first)
+        columns.dists.append(dist)
         return index
 
 
+def _tied(
+    tensors: list[torch.Tensor], pointers: list[int], base: int
+) -> tuple[dict[int, int], list[tuple[int, int]]] | None:
+    """For tensors (numbered from ``base``; ``pointers``: their data pointers) some of
+    which share a data pointer: each data
+    pointer's first tensor, and the (index, first index) of every later one, when each
+    later one is an alias of the first there (what ``_Walker._add_tensor`` finds: a tied
+    weight seen under a second key). None if one is not (a view of other shape or dtype at
+    the same address): the general loop then records it as a tensor of its own."""
+    n = len(pointers)
+    # reversed, so that each data pointer keeps its first position
+    first = dict(zip(reversed(pointers), range(n - 1, -1, -1), strict=True))
+    later = [j for j, i in enumerate(map(first.__getitem__, pointers)) if i != j]
+    aliases = []
+    for j in later:
+        i = first[pointers[j]]
+        if _identity(tensors[j]) != _identity(tensors[i]):
+            return None
+        aliases.append((base + j, base + i))
+    return {p: base + i for p, i in first.items()}, aliases
+
+
+class Columns:
+    """What a walk found, per tensor, in lists in the refs' order: each
+    :class:`TensorRef`'s ``keys``, ``tensors``, ``aliases`` (``alias_of``) and ``dists``
+    as the walk made them, and what it read of each tensor besides, its ``dtypes`` and
+    ``pointers`` (data pointers); and whether it stored a value as a pickle (``pickled``,
+    rather than searching the tree for the tag). ``snapshot()``'s plan and eager choice
+    use them rather than going over the refs, or reading every tensor, a second time;
+    they hold until the refs are changed (the eager copies are made after both, and a
+    distributed snapshot's writers are assigned on the refs: ``dists`` is then stale)."""
+
+    __slots__ = ("aliases", "dists", "dtypes", "keys", "pickled", "pointers", "tensors")
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self.dtypes: list[torch.dtype] = []
+        self.pointers: list[int] = []
+        self.aliases: list[int | None] = []
+        self.dists: list[DistInfo | None] = []
+        self.pickled = False
+
+
 def walk_state(
-    state: Any, *, allow_pickle: bool, lenient: bool = False, keys: KeyCache | None = None
+    state: Any,
+    *,
+    allow_pickle: bool,
+    lenient: bool = False,
+    keys: KeyCache | None = None,
+    columns: Columns | None = None,
 ) -> tuple[JSON, list[TensorRef]]:
     """Walk ``state`` into its tagged-JSON tree and its tensors (see the module docstring).
 
@@ -559,7 +638,9 @@ def walk_state(
     encode instead of refusing them. A tensor seen a second time under another key (same
     storage, offset, shape, strides and dtype: a tied weight) becomes an alias of the first
     and is stored once. ``keys``: a :class:`KeyCache` kept across walks of the same state
-    (none: a fresh one, for this walk only).
+    (none: a fresh one, for this walk only). ``columns``, if given, receives each tensor's
+    dtype and data pointer as the walk read them, and whether it pickled a value (see
+    :class:`Columns`).
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
@@ -568,4 +649,7 @@ def walk_state(
         )
     walker = _Walker(allow_pickle, lenient, KeyCache() if keys is None else keys)
     tree = walker.encode(state, "")
+    if columns is not None:
+        for name in Columns.__slots__:
+            setattr(columns, name, getattr(walker.columns, name))
     return tree, walker.tensors

@@ -18,7 +18,7 @@ import lazyckpt
 from lazyckpt import _manifest
 from lazyckpt._engine import Flight
 from lazyckpt._manifest import LayoutOptions, Segment, TensorMeta, plan_layout
-from lazyckpt._tree import walk_state
+from lazyckpt._tree import Columns, walk_state
 from tiers import HostMemoryTier
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}
@@ -149,10 +149,11 @@ def test_the_kept_choice_is_the_policys_choice_over_many_states() -> None:
                     k: next((t for t in pool if t.shape == v.shape and rng.random() < 0.5), v)
                     for k, v in state.items()
                 }
-            _, refs = walk_state(state, allow_pickle=False, keys=core._keys)
+            columns = Columns()
+            _, refs = walk_state(state, allow_pickle=False, keys=core._keys, columns=columns)
             expected = core.policy.choose(refs, core.owned_pointers())
-            core._plan(step, {}, refs, [r.dist for r in refs])
-            assert core._eager(refs) == expected, (step, state.keys())
+            core._plan(step, {}, refs, [r.dist for r in refs], columns)
+            assert core._eager(columns.pointers) == expected, (step, state.keys())
     finally:
         ckpt.close()
 
@@ -215,3 +216,32 @@ def test_a_snapshot_after_a_structure_change_restores_bit_for_bit(tmp_path: Path
                 assert torch.equal(got[k], state[k]), (step, k)
     finally:
         ckpt.close()
+
+
+class _Opaque:
+    """A value only a pickle can store."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Opaque)
+
+    __hash__ = object.__hash__
+
+
+def test_the_manifest_says_pickled_exactly_when_a_value_was_pickled() -> None:
+    """Whether a snapshot holds a pickle comes from its own walk, also when its plan is
+    reused: a value turning into one (or back) with every tensor unchanged is seen."""
+    ckpt = _open(allow_pickle=True)
+    try:
+        tensors = {f"t{i}": torch.zeros(4) for i in range(10)}
+        saw = []
+        for step, extra in enumerate([1, _Opaque(), _Opaque(), 2, [_Opaque()]], start=1):
+            flight = _prepare(ckpt, {"model": tensors, "extra": extra}, step)
+            saw.append(flight.manifest.pickled)
+        assert saw == [False, True, True, False, True]
+    finally:
+        ckpt.close()
+    plain = _open()
+    try:
+        assert not _prepare(plain, {"model": {"t": torch.zeros(2)}}, 1).manifest.pickled
+    finally:
+        plain.close()

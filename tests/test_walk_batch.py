@@ -4,17 +4,19 @@ every change a walk with empty caches would."""
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import lazyckpt
 from lazyckpt import CorruptionError, UnsupportedStateError, _tree, _tree_values
-from lazyckpt._tree import KeyCache, decode_tree, walk_state
+from lazyckpt._tree import Columns, KeyCache, decode_tree, walk_state
 from tiers import FileTier
 
 
@@ -32,9 +34,46 @@ def _walk(state: Any, batch: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any
         m.setattr(_tree._Walker, "_tensor_mapping", spy)
         keys = KeyCache()
         walk_state(state, allow_pickle=False, keys=keys)  # the second walk uses the caches
-        tree, refs = walk_state(state, allow_pickle=False, keys=keys)
+        columns = Columns()
+        tree, refs = walk_state(state, allow_pickle=False, keys=keys, columns=columns)
+    _check_columns(refs, columns)
     described = [(r.key, r.tensor.data_ptr(), r.version, r.alias_of, r.dist) for r in refs]
     return (tree, described), used
+
+
+def _check_columns(refs: list[Any], columns: Columns) -> None:
+    """What the walk says it read of each tensor is what the tensor has."""
+    assert columns.dtypes == [r.tensor.dtype for r in refs]
+    assert columns.pointers == [r.tensor.data_ptr() for r in refs]
+    assert columns.keys == [r.key for r in refs]
+    assert len(columns.tensors) == len(refs)
+    assert all(map(operator.is_, columns.tensors, [r.tensor for r in refs]))
+    assert columns.aliases == [r.alias_of for r in refs]
+    assert columns.dists == [r.dist for r in refs]
+
+
+def test_columns_follow_every_kind_of_tensor() -> None:
+    gen = torch.Generator().manual_seed(1)
+    state = {
+        "model": _tied(),
+        "optim": {"state": _optimizer_state(9), "groups": [{"lr": 0.1, "params": [0, 1]}]},
+        "loose": [torch.ones(2, dtype=torch.float16), (torch.arange(3),)],
+        "array": np.arange(1000.0),  # large enough to be copied into a tensor
+        "rng": gen,
+        "replicated": lazyckpt.Replicated({f"r{i}": torch.ones(2) for i in range(9)}),
+    }
+    keys = KeyCache()
+    for _ in range(2):  # cold, then warm
+        columns = Columns()
+        _, refs = walk_state(state, allow_pickle=False, keys=keys, columns=columns)
+        assert len(refs) == 10 + 27 + 2 + 1 + 1 + 9  # model, optimizer, loose, array, rng, ...
+        assert columns.dists.count(None) == len(refs) - 9
+        _check_columns(refs, columns)
+    state["model"]["layer3.weight"].data = torch.zeros(3, dtype=torch.float64)
+    columns = Columns()
+    _, refs = walk_state(state, allow_pickle=False, keys=keys, columns=columns)
+    _check_columns(refs, columns)
+    assert torch.float64 in columns.dtypes
 
 
 def _plain(n: int) -> dict[Any, Any]:
@@ -58,11 +97,26 @@ def _tied() -> dict[str, Any]:
     return state
 
 
+def _tied_twice() -> dict[str, Any]:
+    state = _tied()
+    state["head2"] = state["layer0.weight"]
+    state["out"] = state["layer4.weight"]
+    return state
+
+
+def _tied_and_viewed() -> dict[str, Any]:
+    state = _tied()
+    state["view"] = state["layer0.weight"][:2]  # at the alias's address, not an alias
+    return state
+
+
 CASES: dict[str, Callable[[], dict[Any, Any]]] = {
     "plain": lambda: {"model": _plain(20), "step": 3},
     "parameters": lambda: {"m": dict(torch.nn.Linear(3, 3).named_parameters()) | _plain(8)},
     "int keys": lambda: {"optim": {i: torch.randn(2) for i in range(12)}},
     "tied": _tied,
+    "tied twice": _tied_twice,
+    "tied and viewed": _tied_and_viewed,
     "empties": lambda: {**_plain(9), "e1": torch.empty(0), "e2": torch.empty(0)},
     "inference": _with_inference_tensor,
     "bool key": lambda: {"d": {True: torch.ones(1), **{i + 2: torch.ones(1) for i in range(9)}}},
@@ -80,8 +134,10 @@ def test_batch_path_walks_as_the_loop_does(case: str, monkeypatch: pytest.Monkey
     batch, used = _walk(state, True, monkeypatch)
     loop, _ = _walk(state, False, monkeypatch)
     assert batch == loop
-    if case in ("plain", "parameters", "int keys"):
+    if case in ("plain", "parameters", "int keys", "tied", "tied twice"):
         assert any(used)  # the batch path took these
+    if case.startswith("tied"):
+        assert any(alias is not None for *_, alias, _dist in batch[1])
 
 
 @pytest.mark.parametrize(
@@ -147,7 +203,7 @@ def test_batch_path_walks_mappings_of_dicts_as_the_loop_does(
     batch, used = _walk(state, True, monkeypatch)
     loop, _ = _walk(state, False, monkeypatch)
     assert batch == loop
-    if case in ("optimizer state", "str outer keys", "uneven and empty"):
+    if case in ("optimizer state", "str outer keys", "uneven and empty", "an alias inside"):
         assert any(used)
 
 
@@ -193,6 +249,8 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "inner dict type": lambda s: s["optim"].__setitem__(2, OrderedDict(s["optim"][2])),
     "alias": lambda s: s["optim"][9].__setitem__("v", s["optim"][0]["m"]),
     "alias of a model tensor": lambda s: s["optim"][9].__setitem__("v", s["model"]["w0"]),
+    "model tied": lambda s: s["model"].__setitem__("w9", s["model"]["w0"]),
+    "model view at a tensor's address": lambda s: s["model"].__setitem__("w9", s["model"]["w0"][0]),
     "indexes moved": lambda s: s.__setitem__("aaa", {"first": torch.ones(1)}),
     "inference tensor": lambda s: s["optim"][3].__setitem__("m", _inference()),
 }
