@@ -94,7 +94,7 @@ async def test_ranks_racing_to_remove_a_shared_step_get_a_warning_not_an_error(
         def racing(path: Path) -> None:
             raise OSError(errno.ENOTEMPTY, "Directory not empty", str(path))
 
-        monkeypatch.setattr(file_module, "remove_tree", racing)
+        monkeypatch.setattr(file_module, "remove_flat", racing)
         with pytest.raises(TierError):
             await tier.delete(1)  # one process: a real failure, reported
         tier.bind(0, 2)  # several ranks sharing the directory: another may be removing it

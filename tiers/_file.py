@@ -50,8 +50,6 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-import aiofiles.os
-
 from lazyckpt import hooks
 from lazyckpt.tier import (
     ConfigurationError,
@@ -70,7 +68,7 @@ from lazyckpt.tier import (
 from ._file_io import ALIGN, address, probe_direct, pwrite, pwrite_many
 from ._file_location import MANIFEST, MARKER, RETIRED, STEP_DIR, marker_document, survey
 from ._file_read import combine, read_piece
-from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_tree
+from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_flat
 
 __all__ = ["FileTier"]
 
@@ -159,7 +157,24 @@ class FileTier(Tier):
         # committed step -> the steps its manifests (every rank's) refer to, or None when
         # they could not be read (then anything may be referred to): see _referenced
         self._refers: dict[int, frozenset[int] | None] = {}
+        # retirements made by this writer, and how many there had been when a collect pass
+        # last left no retired directory behind: while they are equal there is nothing to
+        # collect, and collect() answers without a job (see collect)
+        self._retirements = 0
+        # the committed steps, as this writer knows them (see steps()): None until a listing
+        # or after anything that may have left the disk unlike it (a failed commit or
+        # delete); _changes counts the commits and deletes begun, so that a listing that
+        # ran beside one is not taken for the answer
+        # (a frozenset, replaced on each change: pool threads read it while the loop changes it)
+        self._committed: frozenset[int] | None = None
+        self._changes = 0
+        self._collected_at: int | None = None
         self._lock: WriterLock | None = None
+        # the root, held open from the first commit on: every commit fsyncs it (for the
+        # step directory's entry), one call instead of three (open, fsync, close), each of
+        # which is a take of the interpreter lock by the pool thread
+        self._root_fd: int | None = None
+        self._root_fd_lock = threading.Lock()
         self._closed = False
 
     def describe(self) -> dict[str, object]:
@@ -266,6 +281,10 @@ class FileTier(Tier):
             self._pool.shutdown(wait=True)
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True)
+        if self._root_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._root_fd)
+            self._root_fd = None
         if self._lock is not None:
             self._lock.release()  # after the last write: the next writer may start now
             self._lock = None
@@ -395,12 +414,19 @@ class FileTier(Tier):
     async def commit(self, manifest: Manifest) -> None:
         self._writable("commit a snapshot")
         opened = self._writing.pop(manifest.step, None)
-        await self._run(
-            f"commit step {manifest.step} in {self._dir(manifest.step)}",
-            self._commit_sync,
-            manifest,
-            opened,
-        )
+        self._changes += 1
+        try:
+            await self._run(
+                f"commit step {manifest.step} in {self._dir(manifest.step)}",
+                self._commit_sync,
+                manifest,
+                opened,
+            )
+        except BaseException:
+            self._committed = None  # the manifest may have landed: list again
+            raise
+        if self._committed is not None and manifest.world_size == 1:
+            self._committed = self._committed | {manifest.step}
 
     async def commit_global(self, step: int, world_size: int) -> None:
         """Write the commit record of a step written by ``world_size`` ranks (idempotent)."""
@@ -408,6 +434,8 @@ class FileTier(Tier):
             {"format": "lazyckpt-commit", "step": step, "world_size": world_size}
         ).encode()
         self._writable("commit a snapshot")
+        self._changes += 1
+        self._committed = None  # several ranks: steps() lists every time
         await self._run(
             f"commit step {step} in {self._dir(step)}",
             self._publish,
@@ -435,7 +463,16 @@ class FileTier(Tier):
             hooks.point("file.commit.after_rename")
         fsync_dir(d)
         if sync_root:
-            fsync_dir(self.root)
+            os.fsync(self._root_dir_fd())
+
+    def _root_dir_fd(self) -> int:
+        """The root's descriptor for ``fsync`` (opened once, closed by :meth:`aclose`)."""
+        with self._root_fd_lock:
+            if self._root_fd is None:
+                self._root_fd = os.open(
+                    self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+                )
+            return self._root_fd
 
     def _commit_sync(self, manifest: Manifest, opened: tuple[int, bool] | None) -> None:
         d = self._dir(manifest.step)
@@ -480,20 +517,36 @@ class FileTier(Tier):
     # -- reading -----------------------------------------------------------------------------
 
     async def steps(self) -> list[int]:
-        """The step directories holding a manifest. A listing, with aiofiles like the
-        manifests: it never waits behind the writes queued on this tier's pool."""
+        """The step directories holding a manifest.
+
+        A writer of a single process answers from what it knows, without a job: the
+        directory listed once (at the first call), then its own commits and deletes, which
+        are the only ones there can be (another writer is refused by the lock, a reader
+        changes nothing). Retention lists after every commit, and a job costs a pool
+        thread's takes of the interpreter lock and a wake-up of the loop, which a
+        launch-bound training thread pays for (docs/design.md, "Staying out of the training
+        thread's way"). A commit or delete that failed, or several ranks sharing the root,
+        make it list again. The listing and each directory's look for a manifest run in one
+        job on the event loop's executor (off this tier's pool, so it never waits behind
+        the writes queued there)."""
         if self._closed:
             raise TierClosedError("closed", tier=self.name)
+        known = self._known()
+        if known is not None:
+            return sorted(known)
+        before = self._changes
+        loop = asyncio.get_running_loop()
         with backend_errors(self.name, f"list {self.root}"):
-            try:
-                names = await aiofiles.os.listdir(self.root)
-            except FileNotFoundError:
-                return []
-            steps = {int(m.group(1)): name for name in names if (m := STEP_DIR.match(name))}
-            found = await asyncio.gather(
-                *(aiofiles.os.path.exists(self.root / name / MANIFEST) for name in steps.values())
-            )
-        return sorted(step for step, there in zip(steps, found, strict=True) if there)
+            listed = await loop.run_in_executor(None, self._committed_sync)
+        if self._changes == before and self._lock is not None and not self.readonly:
+            self._committed = frozenset(listed)  # no commit or delete ran beside the listing
+        return listed
+
+    def _known(self) -> frozenset[int] | None:
+        """The committed steps this writer knows of, where only it changes them."""
+        if self.readonly or self._lock is None or self.world_size != 1:
+            return None
+        return self._committed
 
     async def read_manifest(self, step: int) -> Manifest:
         return await self.read_rank_manifest(step, self.rank)
@@ -570,7 +623,14 @@ class FileTier(Tier):
 
     async def delete(self, step: int) -> None:
         self._writable("delete a snapshot")
-        await self._run(f"delete step {step} in {self._dir(step)}", self._delete_sync, step)
+        self._changes += 1
+        try:
+            await self._run(f"delete step {step} in {self._dir(step)}", self._delete_sync, step)
+        except BaseException:
+            self._committed = None  # the manifest may be gone or not: list again
+            raise
+        if self._committed is not None:
+            self._committed = self._committed - {step}
 
     def _delete_sync(self, step: int) -> None:
         d = self._dir(step)
@@ -579,7 +639,9 @@ class FileTier(Tier):
         if retired:
             # committed incremental steps read shards from its data files: it stays, marked
             # (before the un-commit, so that a crash cannot leave it unmarked), and collect()
-            # removes it once no committed step refers to it
+            # removes it once no committed step refers to it (counted before the mark is
+            # written, so that a collect pass running meanwhile cannot miss it)
+            self._retirements += 1
             with contextlib.suppress(FileNotFoundError):
                 os.close(os.open(d / RETIRED, os.O_WRONLY | os.O_CREAT, 0o644))
             hooks.point("file.delete.retired")
@@ -596,7 +658,7 @@ class FileTier(Tier):
         # Lustre may then answer ENOTEMPTY, ESTALE or EBUSY: one rank must not fail a step
         # the others take, so there it is a warning, and the next open() sweeps what is left.
         try:
-            remove_tree(d)
+            remove_flat(d)
         except OSError as exc:
             if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
                 raise
@@ -609,26 +671,32 @@ class FileTier(Tier):
         """Remove every retired step directory (no manifest) that no committed step refers
         to and that is not in ``keep``; see the module docstring."""
         self._writable("collect unreferenced data")
+        if self.world_size == 1 and self._collected_at == self._retirements:
+            # the last pass left nothing retired and this writer retired nothing since; no
+            # other process retires here (the writer's lock), so there is nothing to look
+            # for: retention calls this after every delete, and a job is a take of the
+            # interpreter lock and a wake-up of the loop
+            return []
         removed = await self._run(f"collect in {self.root}", self._collect_sync, frozenset(keep))
         assert isinstance(removed, list)
         return removed
 
     def _collect_sync(self, keep: frozenset[int]) -> list[int]:
+        seen = self._retirements
         if not self.root.exists():
+            self._collected_at = seen
             return []
-        retired = []
+        marked = []
         for entry in self.root.iterdir():
             # only what delete() retired: a directory without a manifest may also be a step
             # another rank is writing
             m = STEP_DIR.match(entry.name)
-            if (
-                m
-                and int(m.group(1)) not in keep
-                and (entry / RETIRED).exists()
-                and not (entry / MANIFEST).exists()
-            ):
-                retired.append(int(m.group(1)))
+            if m and (entry / RETIRED).exists() and not (entry / MANIFEST).exists():
+                marked.append(int(m.group(1)))
+        retired = [step for step in marked if step not in keep]
         if not retired:
+            if not marked:
+                self._collected_at = seen
             return []
         referenced = self._referenced_sync()
         if referenced is None:
@@ -642,18 +710,22 @@ class FileTier(Tier):
                 continue
             hooks.point("file.collect.before_remove")
             try:
-                remove_tree(d)
+                remove_flat(d)
             except OSError as exc:
                 if self.world_size == 1 or exc.errno not in _RACING_REMOVAL:
                     raise
             removed.append(step)
+        if len(removed) == len(marked):
+            self._collected_at = seen
         return removed
 
     def _referenced_sync(self) -> set[int] | None:
         """The steps whose data committed steps refer to (every rank's manifests); None when
-        a committed manifest could not be read, so that nothing is removed on a guess."""
+        a committed manifest could not be read, so that nothing is removed on a guess. The
+        committed steps are those the writer knows (see :meth:`steps`), else listed."""
+        committed = self._known()
         found: set[int] = set()
-        for step in self._committed_sync():
+        for step in self._committed_sync() if committed is None else sorted(committed):
             refers = self._refers.get(step)
             if refers is None:
                 refers = self._read_references(step)
@@ -664,16 +736,18 @@ class FileTier(Tier):
         return found
 
     def _committed_sync(self) -> list[int]:
-        """The committed steps, listed from a thread of the tier's pool (as the reference
-        checks that need them run there)."""
+        """The committed steps: a listing and one ``stat`` per step directory, blocking (on
+        the loop's executor for :meth:`steps`, on the tier's pool for the reference checks
+        that need them)."""
+        root = str(self.root)
         try:
-            names = os.listdir(self.root)
+            names = os.listdir(root)
         except FileNotFoundError:
             return []
         return sorted(
             int(m.group(1))
             for name in names
-            if (m := STEP_DIR.match(name)) and (self.root / name / MANIFEST).exists()
+            if (m := STEP_DIR.match(name)) and os.path.exists(os.path.join(root, name, MANIFEST))
         )
 
     def _read_references(self, step: int) -> frozenset[int] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import json
@@ -19,7 +20,7 @@ import aiofiles
 
 from lazyckpt.tier import LocationInUseError
 
-__all__ = ["WriterLock", "fsync_dir", "lock_name", "read_small", "remove_tree"]
+__all__ = ["WriterLock", "fsync_dir", "lock_name", "read_small", "remove_flat", "remove_tree"]
 
 log = logging.getLogger("lazyckpt")
 
@@ -88,6 +89,32 @@ def remove_tree(path: Path) -> None:
                 raise info[1]
 
         shutil.rmtree(path, onerror=onerror)
+
+
+def remove_flat(path: Path) -> None:
+    """Remove a directory that should hold only files (a file tier's step directory), as
+    :func:`remove_tree` does, with fewer calls: one listing, one ``unlink`` per file and one
+    ``rmdir``, where ``shutil.rmtree`` makes about ten calls more (each releases the
+    interpreter lock and takes it back, which a launch-bound training thread pays for). A
+    subdirectory, or anything else ``unlink`` refuses, hands the rest to
+    :func:`remove_tree`; what vanishes meanwhile is already done, not an error."""
+    root = str(path)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(root, name))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            if exc.errno not in (errno.EISDIR, errno.EPERM):
+                raise
+            remove_tree(path)  # not a flat directory after all
+            return
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(root)
 
 
 def lock_name(rank: int) -> str:
