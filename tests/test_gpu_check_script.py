@@ -83,6 +83,12 @@ def test_a_cpu_run_goes_through_every_phase_and_writes_under_out(tmp_path: Path)
     assert runs["lazyckpt_cpu"]["failed"] == 0 and positive(runs["lazyckpt_cpu"]["snapshot_ms"], 2)
     assert runs["dcp_async_stager"]["stager"]["use_async_staging"] is True
     assert stall["lazyckpt_arena"]["peak"] <= stall["lazyckpt_arena"]["capacity"]
+    interference = doc["interference"]
+    assert interference["bytes"] == 32 << 20 and interference["ratio"] > 0
+    methods = [r["method"] for r in interference["runs"]]
+    assert methods == ["alone", "lazyckpt"] * 2
+    assert all(r["iter_ms"]["n"] > 0 for r in interference["runs"])
+    assert all(r["snapshots"] > 0 for r in interference["runs"] if r["method"] == "lazyckpt")
     assert doc["targets"] == {
         "evaluated": False,
         "why": "a CPU run checks the script, not the GPU path",
@@ -90,6 +96,7 @@ def test_a_cpu_run_goes_through_every_phase_and_writes_under_out(tmp_path: Path)
     table = proc.stdout.strip().splitlines()
     assert table[0] == "lazyckpt GPU check on cpu"
     assert any(line.split()[:1] == ["lazyckpt_cpu"] for line in table)
+    assert any(line.startswith("launch-bound loop") for line in table)
     assert table[-1] == f"written: {doc['path']}"  # the table comes last
 
 
@@ -113,7 +120,7 @@ def test_a_tight_budget_skips_phases_and_says_so(tmp_path: Path) -> None:
     [
         (["--cpu", "--budget-s", "0"], "--budget-s must be a positive"),
         (["--cpu", "--budget-s", "nan"], "--budget-s must be a positive"),
-        (["--cpu", "--iters", "0"], "--iters and --bandwidth-mib must be at least 1"),
+        (["--cpu", "--iters", "0"], "--iters, --bandwidth-mib and --interference-mib must be"),
         (["--cpu", "--model", "7b"], "invalid choice"),
     ],
 )
