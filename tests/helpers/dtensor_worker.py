@@ -30,6 +30,11 @@ from lazyckpt._dtensor import writer_of
 from lazyckpt._tree import walk_state
 from tiers import FileTier, HostMemoryTier
 
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.ranks import end_rank
+
 OPTIONS: dict[str, Any] = {"shard_size": 1 << 16, "deadline": 30.0, "retries": 0}
 REPLICATED_KEYS = [f"rep/{i}" for i in range(8)]
 
@@ -259,7 +264,7 @@ def main() -> None:
     run = SCENARIOS[scenario]
     result = asyncio.run(run(root, out, rank, world))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from tiers import HostMemoryTier, ZarrTier
 if __package__ in (None, ""):  # run as a script: make the helpers package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers.ranks import commit_each
+from helpers.ranks import commit_each, end_rank
 
 # The deadline only bounds a hang: on a loaded machine a tier operation or a collective may
 # take seconds, and a short one fails healthy steps.
@@ -199,7 +199,7 @@ def main() -> None:
         result = asyncio.run(dtensor(location, out, rank, world))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if scenario != "kill":
-        dist.destroy_process_group()
+        end_rank()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ import lazyckpt
 from lazyckpt.integrations.dcp import LazyStorageReader, LazyStorageWriter
 from tiers import FileTier, HostMemoryTier
 
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.ranks import end_rank
+
 
 def build(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same full weights everywhere before sharding
@@ -133,7 +138,7 @@ def main() -> None:
             plain = ckpt.restore(1)  # the same step through lazyckpt's own API
             result["restored_keys"] = sorted(plain)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 
 from lazyckpt.integrations.torchtitan import LazyCheckpointManager
 
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.ranks import end_rank
+
 STEPS = 4
 
 
@@ -142,7 +147,7 @@ def main() -> None:
         result["lr_epoch"] = lr_schedulers.state_dict()["last_epoch"]
     manager.close()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ from recipes import RECIPES
 import lazyckpt
 from tiers import FileTier, HostMemoryTier
 
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.ranks import end_rank
+
 OPTIONS: dict[str, Any] = {"shard_size": 1 << 16, "deadline": 60.0}
 
 
@@ -83,9 +88,12 @@ def main() -> None:
             train(name, root, steps) if at is None else resume(name, root, steps, at)
         )
         out.write_text(json.dumps(result))
-    finally:
+    except BaseException:
         if distributed:
             torch.distributed.destroy_process_group()
+        raise
+    if distributed:
+        end_rank()
 
 
 if __name__ == "__main__":
