@@ -283,6 +283,13 @@ class _MappingShape:
 
 
 _Parameter = torch.nn.Parameter
+# A module whose class keeps torch's own ``state_dict`` is asked for its parameters as they
+# are (``keep_vars=True``): the same tensors, without detaching each into a new tensor object
+# at every snapshot (a fifth of ``model.state_dict()``'s time, and fewer objects for the
+# collector). The walk reads what a detached view would give (data, shape, version counter;
+# the capture detaches where torch copies). A class that overrides ``state_dict`` is called
+# as written.
+_MODULE_STATE_DICT = torch.nn.Module.state_dict
 _STRIDED = torch.strided
 # what _Walker._tensor_mapping takes in its passes
 _BATCH_MIN = 8  # below this, setting the passes up costs more than the loop
@@ -339,7 +346,11 @@ class _Walker:
             marker = isinstance(obj, ReplicatedMarker)
             self._replicated += marker
             try:
-                return {"$stateful": self.encode(obj.state_dict(), key)}
+                if getattr(type(obj), "state_dict", None) is _MODULE_STATE_DICT:
+                    state = obj.state_dict(keep_vars=True)
+                else:
+                    state = obj.state_dict()
+                return {"$stateful": self.encode(state, key)}
             finally:
                 self._replicated -= marker
         found = self._encode_object(obj, key)

@@ -221,3 +221,36 @@ def test_lenient_walks_leave_arrays_and_generators_alone() -> None:
     state = {"a": np.zeros(100_000), "g": torch.Generator(), "t": torch.zeros(2)}
     _, refs = walk_state(state, allow_pickle=False, lenient=True)
     assert [r.key for r in refs] == ["t"]
+
+
+def test_modules_give_their_parameters_undetached_and_overrides_are_called_as_written() -> None:
+    """A module with torch's own ``state_dict`` is walked through ``keep_vars=True`` (its
+    parameters themselves, no new detached tensor per snapshot); a class overriding
+    ``state_dict`` without that keyword is called as written; both restore the same bytes,
+    frozen and trainable alike, and the tied weight stays an alias."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(6, 4)
+            self.head = torch.nn.Linear(4, 6, bias=False)
+            self.head.weight = self.emb.weight
+            self.norm = torch.nn.BatchNorm1d(4)
+            self.norm.weight.requires_grad_(False)
+
+    class Overrides(Tied):
+        def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+            return {k: v.clone() for k, v in super().state_dict().items()}
+
+    plain, custom = Tied(), Overrides()
+    custom.load_state_dict(plain.state_dict())
+    _tree, refs = walk_state({"m": plain}, allow_pickle=False)
+    by_key = {r.key: r for r in refs}
+    assert by_key["m/emb.weight"].tensor is plain.emb.weight
+    assert by_key["m/head.weight"].alias_of is not None
+    assert by_key["m/norm.running_mean"].tensor is plain.norm.running_mean
+    _tree2, refs2 = walk_state({"m": custom}, allow_pickle=False)
+    assert [r.key for r in refs2] == [r.key for r in refs]
+    for a, b in zip(refs, refs2, strict=True):
+        assert torch.equal(a.tensor, b.tensor)
+        assert type(b.tensor) is torch.Tensor
