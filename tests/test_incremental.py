@@ -234,6 +234,25 @@ async def test_versions_skips_only_unchanged_frozen_tensors(tmp_path: Path) -> N
         assert skipped == (frozen.nbytes if mode == "versions" else 0)
 
 
+async def test_versions_never_skips_a_modules_trainable_parameters(tmp_path: Path) -> None:
+    """A module is walked with ``keep_vars=True``: its trainable parameters come as
+    themselves, require grad and are captured every time, so a write through ``.data`` is
+    seen; a frozen parameter written the same way is skipped (the documented miss)."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 600), torch.nn.Linear(512, 600))
+    model[1].weight.requires_grad_(False)  # above eager_bytes, like model[0].weight
+    async with lazyckpt.Checkpointer(
+        [FileTier(tmp_path)], incremental="versions", **SMALL
+    ) as ckpt:
+        await (await ckpt.snapshot({"m": model}, step=1)).committed()
+        for layer in model:
+            layer.weight.data.fill_(3.0)  # bypasses the version counter
+        await (await ckpt.snapshot({"m": model}, step=2)).committed()
+        restored = (await ckpt.restore(step=2))["m"]
+        assert torch.equal(restored["0.weight"], model[0].weight.detach())
+        assert not torch.equal(restored["1.weight"], model[1].weight.detach())
+        assert ckpt.metrics()["capture_skipped_bytes"] == model[1].weight.nbytes
+
+
 async def test_a_freed_tensor_is_not_taken_for_a_new_one(tmp_path: Path) -> None:
     """A tensor made anew for every snapshot may land at the address of the last one, with
     the same version: the engine holds the captured tensors, so it never does."""
