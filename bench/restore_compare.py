@@ -7,7 +7,10 @@ once in each format. Then, with every file dropped from the page cache before ea
 
 - ``plain_read``: sequential ``preadv`` of lazyckpt's data file into a pre-faulted buffer;
 - ``plain_read_parallel``: the same pieces read by 4 threads at once (a virtual disk serves
-  several requests in flight faster than one); the better of the two is the floor;
+  several requests in flight faster than one);
+- ``plain_read_direct``: the same, with ``O_DIRECT`` into page-aligned memory (no page
+  cache on the way: what the disk gives a reader that does nothing else); the best of the
+  three plain reads is the floor;
 - ``lazyckpt_restore``: ``restore()`` into new tensors;
 - ``lazyckpt_restore_into``: ``restore(into=)`` existing tensors;
 - ``torch_load``: ``torch.load(weights_only=True)`` of a ``torch.save`` file;
@@ -33,6 +36,7 @@ import cProfile
 import datetime as dt
 import io
 import json
+import mmap
 import os
 import pstats
 import resource
@@ -76,6 +80,7 @@ from tiers import FileTier, HostMemoryTier
 METHODS = [
     "plain_read",
     "plain_read_parallel",
+    "plain_read_direct",
     "lazyckpt_restore",
     "lazyckpt_restore_into",
     "torch_load",
@@ -100,6 +105,28 @@ def plain_read_parallel(path: Path, out: memoryview, threads: int = 4) -> None:
     try:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, range(0, len(out), PIECE)))
+    finally:
+        os.close(fd)
+
+
+def plain_read_direct(path: Path, out: memoryview, threads: int = 4) -> None:
+    """``preadv`` with ``O_DIRECT`` of a whole file in PIECE-sized pieces by ``threads``
+    threads into ``out`` (page-aligned, its length a multiple of 4 KiB)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    size = os.fstat(fd).st_size
+
+    def one(at: int) -> None:
+        view = out[at : at + PIECE]
+        done = 0
+        while at + done < size:
+            n = os.preadv(fd, [view[done:]], at + done)
+            if n == 0:
+                raise EOFError(f"{path} ends at {at + done}")
+            done += n
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(0, size, PIECE)))
     finally:
         os.close(fd)
 
@@ -138,10 +165,14 @@ async def _compare(
     data_size = paths["data"].stat().st_size
     read_buf = prefaulted(_align(data_size))
     read_view = memoryview(read_buf.numpy())[:data_size]
+    direct_buf = mmap.mmap(-1, _align(data_size, 1 << 20))  # page-aligned, for O_DIRECT
+    direct_view = memoryview(direct_buf)
+    direct_view[:] = bytes(len(direct_view))  # pre-faulted like read_buf
     template = {k: torch.zeros_like(v) for k, v in state.items()}  # pre-faulted targets
     where = {
         "plain_read": paths["data"],
         "plain_read_parallel": paths["data"],
+        "plain_read_direct": paths["data"],
         "lazyckpt_restore": paths["lazy"],
         "lazyckpt_restore_into": paths["lazy"],
         "torch_load": paths["torch"],
@@ -161,6 +192,8 @@ async def _compare(
                 plain_read(paths["data"], read_view)
             elif name == "plain_read_parallel":
                 plain_read_parallel(paths["data"], read_view)
+            elif name == "plain_read_direct":
+                plain_read_direct(paths["data"], direct_view)
             elif name == "lazyckpt_restore":
                 out = await reader.restore(1)
             elif name == "lazyckpt_restore_into":
@@ -185,7 +218,7 @@ async def _compare(
     gib = {k: nbytes / v / (1 << 30) for k, v in med.items()}
     best_new = max(gib["torch_load"], gib["dcp_load_alloc"])
     best_into = max(gib["dcp_load_into"], gib["torch_load"])
-    floor = max(gib["plain_read"], gib["plain_read_parallel"])
+    floor = max(gib["plain_read"], gib["plain_read_parallel"], gib["plain_read_direct"])
     return {
         "bytes": nbytes,
         "tensors": len(state),

@@ -56,7 +56,8 @@ def test_restore_compare_quick(tmp_path: Path) -> None:
     doc = _run("restore_compare.py", "--mib", "8", "--reps", "1", out=tmp_path)
     r = doc["results"]
     assert set(r["gib_per_s"]) == {
-        "plain_read", "plain_read_parallel", "lazyckpt_restore", "lazyckpt_restore_into",
+        "plain_read", "plain_read_parallel", "plain_read_direct", "lazyckpt_restore",
+        "lazyckpt_restore_into",
         "torch_load", "dcp_load_alloc", "dcp_load_into",
     }
     assert all(_positive(v) for v in r["gib_per_s"].values())
