@@ -118,7 +118,7 @@ def plain_read_direct(path: Path, out: memoryview, threads: int = 4) -> None:
     def one(at: int) -> None:
         view = out[at : at + PIECE]
         done = 0
-        while at + done < size:
+        while done < len(view) and at + done < size:
             n = os.preadv(fd, [view[done:]], at + done)
             if n == 0:
                 raise EOFError(f"{path} ends at {at + done}")

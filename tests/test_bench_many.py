@@ -53,7 +53,7 @@ def test_many_tensors_quick(tmp_path: Path) -> None:
 
 
 def test_restore_compare_quick(tmp_path: Path) -> None:
-    doc = _run("restore_compare.py", "--mib", "8", "--reps", "1", out=tmp_path)
+    doc = _run("restore_compare.py", "--mib", "20", "--reps", "1", out=tmp_path)  # 3 pieces
     r = doc["results"]
     assert set(r["gib_per_s"]) == {
         "plain_read", "plain_read_parallel", "plain_read_direct", "lazyckpt_restore",
