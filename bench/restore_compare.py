@@ -89,14 +89,19 @@ METHODS = [
 ]
 
 
-def plain_read_parallel(path: Path, out: memoryview, threads: int = 4) -> None:
-    """``preadv`` of a whole file in PIECE-sized pieces by ``threads`` threads."""
-    fd = os.open(path, os.O_RDONLY)
+def plain_read_parallel(
+    path: Path, out: memoryview, threads: int = 4, *, direct: bool = False
+) -> None:
+    """``preadv`` of a whole file in PIECE-sized pieces by ``threads`` threads; with
+    ``direct``, through ``O_DIRECT`` (``out`` page-aligned, its length a multiple of 4 KiB
+    and at least the file's)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    end = min(len(out), os.fstat(fd).st_size)
 
     def one(at: int) -> None:
         view = out[at : at + PIECE]
         done = 0
-        while done < len(view):
+        while done < len(view) and at + done < end:
             n = os.preadv(fd, [view[done:]], at + done)
             if n == 0:
                 raise EOFError(f"{path} ends at {at + done}")
@@ -104,29 +109,7 @@ def plain_read_parallel(path: Path, out: memoryview, threads: int = 4) -> None:
 
     try:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, range(0, len(out), PIECE)))
-    finally:
-        os.close(fd)
-
-
-def plain_read_direct(path: Path, out: memoryview, threads: int = 4) -> None:
-    """``preadv`` with ``O_DIRECT`` of a whole file in PIECE-sized pieces by ``threads``
-    threads into ``out`` (page-aligned, its length a multiple of 4 KiB)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    size = os.fstat(fd).st_size
-
-    def one(at: int) -> None:
-        view = out[at : at + PIECE]
-        done = 0
-        while done < len(view) and at + done < size:
-            n = os.preadv(fd, [view[done:]], at + done)
-            if n == 0:
-                raise EOFError(f"{path} ends at {at + done}")
-            done += n
-
-    try:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, range(0, size, PIECE)))
+            list(pool.map(one, range(0, end, PIECE)))
     finally:
         os.close(fd)
 
@@ -193,7 +176,7 @@ async def _compare(
             elif name == "plain_read_parallel":
                 plain_read_parallel(paths["data"], read_view)
             elif name == "plain_read_direct":
-                plain_read_direct(paths["data"], direct_view)
+                plain_read_parallel(paths["data"], direct_view, direct=True)
             elif name == "lazyckpt_restore":
                 out = await reader.restore(1)
             elif name == "lazyckpt_restore_into":
