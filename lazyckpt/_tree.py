@@ -24,7 +24,7 @@ import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -347,7 +347,7 @@ class _Walker:
             self._replicated += marker
             try:
                 if getattr(type(obj), "state_dict", None) is _MODULE_STATE_DICT:
-                    state = obj.state_dict(keep_vars=True)
+                    state = cast(torch.nn.Module, obj).state_dict(keep_vars=True)
                 else:
                     state = obj.state_dict()
                 return {"$stateful": self.encode(state, key)}
