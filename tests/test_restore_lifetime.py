@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.datafiles import damage_data_file, drop_data_files
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import lazyckpt
@@ -21,17 +22,6 @@ from lazyckpt.tier import TierLevel
 from tiers import FileTier
 
 SMALL = {"shard_size": 1 << 20, "pack_bytes": 64 << 10, "retries": 0}
-
-
-def _cold(root: Path) -> None:
-    """Drop every data file under ``root`` from the page cache (a direct read then)."""
-    for f in root.rglob("*.data"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _state() -> dict[str, Any]:
@@ -53,18 +43,6 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def _damage(root: Path) -> None:
-    """Flip a byte in every shard-sized region of step 1's data file (a bad copy)."""
-    data = next((root / "step-000000000001").glob("rank-*.data"))
-    with open(data, "r+b") as f:
-        size = os.fstat(f.fileno()).st_size
-        for at in range(1000, size, 1 << 19):
-            f.seek(at)
-            byte = f.read(1)
-            f.seek(at)
-            f.write(bytes([byte[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize("way", ["new", "buffered", "into", "fallback"])
 async def test_restored_tensors_are_freed_once_dropped(tmp_path: Path, way: str) -> None:
     """Every storage a restore handed out is freed when the caller drops the state, while
@@ -76,12 +54,12 @@ async def test_restored_tensors_are_freed_once_dropped(tmp_path: Path, way: str)
         async with lazyckpt.Checkpointer([FileTier(root)], **SMALL) as ckpt:
             await (await ckpt.snapshot(state, step=1)).committed()
     if way == "fallback":
-        _damage(roots[0])
+        damage_data_file(roots[0], 1)
     sources = [FileTier(r, readonly=True, read_direct=way != "buffered") for r in roots]
     if way == "fallback":
         sources[1].name = "b"
         sources[1].level = TierLevel.PFS
-    _cold(tmp_path)
+    drop_data_files(tmp_path)
     into = None
     if way == "into":  # PyTorch's allocator: not block-aligned, read through the bounce buffer
         into = {"w": torch.zeros(700, 1000), "v": torch.zeros(300_000),
@@ -130,7 +108,7 @@ async def test_a_restore_cancelled_mid_read_leaves_no_descriptor(
     state = _state()
     async with lazyckpt.Checkpointer([FileTier(tmp_path)], **SMALL) as ckpt:
         await (await ckpt.snapshot(state, step=1)).committed()
-    _cold(tmp_path)
+    drop_data_files(tmp_path)
     reading, release = threading.Event(), threading.Event()
     real = file_read._read_open
 

@@ -14,6 +14,7 @@ from typing import Any
 import crc32c
 import pytest
 import torch
+from helpers.datafiles import damage_data_file, drop_data_files
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,17 +28,6 @@ from tiers import FileTier
 
 SMALL = {"shard_size": 1 << 20, "pack_bytes": 64 << 10, "retries": 0}
 ALIGN = 4096
-
-
-def _cold(root: Path) -> None:
-    """Drop every data file under ``root`` from the page cache (they were synced)."""
-    for f in root.rglob("*.data"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _warm(path: Path) -> None:
@@ -109,7 +99,7 @@ async def test_checksummed_read_every_way(tmp_path: Path, way: str) -> None:
             if way == "cached":  # a buffered read (a direct one leaves nothing cached)
                 _warm(tier._data_path(manifest))
             else:
-                _cold(tmp_path)
+                drop_data_files(tmp_path)
             # aligned memory, or aligned plus 64 bytes (as PyTorch's allocator gives)
             raw = torch.zeros(shard.length + 2 * ALIGN, dtype=torch.uint8)
             skip = -raw.data_ptr() % ALIGN + (64 if way == "bounced" else 0)
@@ -134,7 +124,7 @@ async def test_read_shard_fills_without_checksumming(tmp_path: Path) -> None:
     tier, manifest, payloads = await _stored(tmp_path)
     try:
         for shard, expected in zip(manifest.shards, payloads, strict=True):
-            _cold(tmp_path)
+            drop_data_files(tmp_path)
             buf = bytearray(shard.length)
             await tier.read_shard(manifest, shard, memoryview(buf))
             assert bytes(buf) == expected
@@ -149,7 +139,7 @@ async def test_truncated_data_file_is_corruption_on_every_way(tmp_path: Path) ->
         data = tier._data_path(manifest)
         os.truncate(data, last.offset + last.length - 100)
         for aligned in (True, False):
-            _cold(tmp_path)
+            drop_data_files(tmp_path)
             raw = torch.zeros(last.length + 2 * ALIGN, dtype=torch.uint8)
             skip = -raw.data_ptr() % ALIGN + (0 if aligned else 64)
             view = memoryview(raw.numpy()).cast("B")[skip : skip + last.length]  # type: ignore[arg-type]
@@ -202,7 +192,7 @@ async def test_new_tensors_of_every_dtype_are_aligned_and_exact(
     state = _state_of_every_dtype()
     async with lazyckpt.Checkpointer([FileTier(tmp_path)], **SMALL) as ckpt:
         await (await ckpt.snapshot(state, step=1)).committed()
-    _cold(tmp_path)
+    drop_data_files(tmp_path)
     async with lazyckpt.Checkpointer([FileTier(tmp_path, read_direct=read_direct)]) as reader:
         restored = await reader.restore(1)
     align = ALIGN if read_direct else 1
@@ -224,27 +214,13 @@ async def test_restore_into_existing_tensors_cold(tmp_path: Path) -> None:
         await (await ckpt.snapshot(state, step=1)).committed()
     big = torch.zeros(700 * 1000 + 16)
     into = {"w": big[16:].view(700, 1000), "b": torch.zeros(10), "h": torch.zeros(3, 5000)}
-    _cold(tmp_path)
+    drop_data_files(tmp_path)
     async with lazyckpt.Checkpointer([FileTier(tmp_path, readonly=True)]) as reader:
         out = await reader.restore(1, into=into)
     assert out is into
     for key in state:
         assert torch.equal(into[key], state[key])
     assert torch.equal(big[:16], torch.zeros(16))  # nothing written outside the target
-
-
-def _damage(root: Path, step: int) -> None:
-    """Flip one byte in the middle of every shard-sized region of a step's data file."""
-    data = next((root / f"step-{step:012d}").glob("rank-*.data"))
-    with open(data, "r+b") as f:
-        size = os.fstat(f.fileno()).st_size
-        for at in range(1000, size, 1 << 19):
-            f.seek(at)
-            byte = f.read(1)
-            f.seek(at)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 @pytest.mark.parametrize("into", [False, True])
@@ -254,8 +230,8 @@ async def test_a_bad_copy_falls_back_to_the_next_tier(tmp_path: Path, into: bool
     for root in roots:
         async with lazyckpt.Checkpointer([FileTier(root)], **SMALL) as ckpt:
             await (await ckpt.snapshot(state, step=1)).committed()
-    _damage(roots[0], 1)
-    _cold(tmp_path)
+    damage_data_file(roots[0], 1)
+    drop_data_files(tmp_path)
     target = {k: torch.zeros_like(v) for k, v in state.items()} if into else None
     first, second = FileTier(roots[0], name="first"), FileTier(roots[1], name="second")
     second.level = TierLevel.PFS  # a chain of two file tiers: a local disk, then shared storage
@@ -263,7 +239,7 @@ async def test_a_bad_copy_falls_back_to_the_next_tier(tmp_path: Path, into: bool
         restored = await reader.restore(1, into=target)
     for key in state:
         assert torch.equal(restored[key], state[key])
-    _cold(tmp_path)
+    drop_data_files(tmp_path)
     async with lazyckpt.Checkpointer([FileTier(roots[0])]) as only_bad:
         with pytest.raises(CorruptionError, match="checksum mismatch"):
             await only_bad.restore(1)
@@ -285,7 +261,7 @@ async def test_incremental_steps_read_cold_from_the_step_they_refer_to(tmp_path:
     assert any(s.stored_in == 1 for s in manifest.shards)
     async with lazyckpt.Checkpointer([FileTier(tmp_path, readonly=True)]) as reader:
         for into in (None, {"frozen": torch.zeros_like(frozen), "moving": torch.zeros(300, 1000)}):
-            _cold(tmp_path)
+            drop_data_files(tmp_path)
             got = await reader.restore(2, into=into)
             assert torch.equal(got["frozen"], frozen)
             assert torch.equal(got["moving"], torch.ones(300, 1000))
@@ -298,7 +274,7 @@ async def test_packed_shards_reuse_their_buffers(tmp_path: Path) -> None:
     state = {f"t{i}": torch.randn(rng.randint(1, 4000)) for i in range(600)}
     async with lazyckpt.Checkpointer([FileTier(tmp_path)], **SMALL) as ckpt:
         await (await ckpt.snapshot(state, step=1)).committed()
-    _cold(tmp_path)
+    drop_data_files(tmp_path)
     async with lazyckpt.Checkpointer([FileTier(tmp_path, readonly=True)]) as reader:
         restored = await reader.restore(1)
     for key, t in state.items():
@@ -332,7 +308,7 @@ async def test_a_subclass_overriding_read_shard_alone_keeps_every_read(tmp_path:
     assert hooked.reads == len(manifest.shards) > 1
     for key in state:
         assert torch.equal(restored[key], state[key])
-    _damage(tmp_path, 1)
+    damage_data_file(tmp_path, 1)
     again = _ReadHook(tmp_path)
     async with lazyckpt.Checkpointer([again]) as reader:
         with pytest.raises(CorruptionError, match="checksum mismatch"):

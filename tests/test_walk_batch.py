@@ -20,18 +20,24 @@ from lazyckpt._tree import Columns, KeyCache, decode_tree, walk_state
 from tiers import FileTier
 
 
+def _spy_passes(m: pytest.MonkeyPatch) -> list[bool]:
+    """Record, per mapping the walk offers to its passes, whether the passes took it."""
+    used: list[bool] = []
+    real = _tree._Walker._tensor_mapping
+
+    def spy(self: Any, obj: Any, key: str) -> Any:
+        found = real(self, obj, key)
+        used.append(found is not None)
+        return found
+
+    m.setattr(_tree._Walker, "_tensor_mapping", spy)
+    return used
+
+
 def _walk(state: Any, batch: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[Any]]:
     with monkeypatch.context() as m:
         m.setattr(_tree, "_BATCH_MIN", 1 if batch else 10**9)
-        used: list[bool] = []
-        real = _tree._Walker._tensor_mapping
-
-        def spy(self: Any, obj: Any, key: str) -> Any:
-            found = real(self, obj, key)
-            used.append(found is not None)
-            return found
-
-        m.setattr(_tree._Walker, "_tensor_mapping", spy)
+        used = _spy_passes(m)
         keys = KeyCache()
         walk_state(state, allow_pickle=False, keys=keys)  # the second walk uses the caches
         columns = Columns()
@@ -271,15 +277,7 @@ def _sweep_state() -> dict[str, Any]:
 def test_warm_walk_sees_every_change(change: str, monkeypatch: pytest.MonkeyPatch) -> None:
     state = _sweep_state()
     keys = KeyCache()
-    used: list[bool] = []
-    real = _tree._Walker._tensor_mapping
-
-    def spy(self: Any, obj: Any, key: str) -> Any:
-        found = real(self, obj, key)
-        used.append(found is not None)
-        return found
-
-    monkeypatch.setattr(_tree._Walker, "_tensor_mapping", spy)
+    used = _spy_passes(monkeypatch)
     walk_state(state, allow_pickle=False, keys=keys)
     first = _describe(*walk_state(state, allow_pickle=False, keys=keys))
     assert used == [True, True] * 2  # both mappings took the passes, cold and warm
