@@ -9,8 +9,10 @@ runs), and a writer of the other kind on it: neither may harm what is committed 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -295,6 +297,46 @@ async def test_two_writers_and_a_foreign_one_harm_nothing(kind: str, tmp_path: P
 INTEGRATION_KILLS = max(3, KILLS // 6)
 DCP_CHILD = Path(__file__).parent / "helpers" / "crash_child_dcp.py"
 DS_CHILD = Path(__file__).parent / "helpers" / "crash_child_deepspeed.py"
+# what a DeepSpeed job on the CPU accelerator loads at start: its shared-memory
+# communication op, built by torch's JIT extension loader on first use (where it is: the
+# loader's own answer, from a private function, as torch offers no public one)
+DS_WARM = """
+from deepspeed.comm.torch import build_shm_op
+from torch.utils.cpp_extension import _get_build_directory
+build_shm_op()
+print(_get_build_directory("deepspeed_shm_comm", False))
+"""
+
+
+@pytest.fixture(scope="module")
+def deepspeed_ops() -> Path:
+    """The build folder of that op, built here once by a process nobody kills.
+
+    torch's loader takes a lock file in an op's build folder every time a process loads the
+    op, built or not, and waits for as long as the file is there. A child killed at that
+    moment leaves the lock behind, and every later DeepSpeed process on the machine then
+    hangs at start. So the children these tests kill never load from this folder: each one
+    gets a private copy of it (:func:`deepspeed_env`)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    warm = subprocess.run(
+        [sys.executable, "-c", DS_WARM], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    return Path(warm.stdout.splitlines()[-1])
+
+
+def deepspeed_env(op: Path, scratch: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for one DeepSpeed child that may be killed: the CPU accelerator, and a fresh
+    copy of the built op (its lock file left out) under an extension root of its own
+    (where ``TORCH_EXTENSIONS_DIR`` is set, torch builds an op in ``$TORCH_EXTENSIONS_DIR/<op
+    name>``; the copy keeps the files' times, so nothing is rebuilt)."""
+    root = scratch / f"torch-extensions-{next(_copies)}"
+    shutil.copytree(op, root / op.name, ignore=shutil.ignore_patterns("lock"))
+    return {**env, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(root)}
+
+
+_copies = itertools.count()
 
 
 def run_and_read(
@@ -424,28 +466,30 @@ def check_deepspeed(root: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # DeepSpeed compiles its CPU op at first use: minutes on a busy box
-def test_kill_under_deepspeed_latest_names_a_durable_tag(tmp_path: Path) -> None:
+def test_kill_under_deepspeed_latest_names_a_durable_tag(
+    tmp_path: Path, deepspeed_ops: Path
+) -> None:
     """A DeepSpeed job checkpointing every step through LazyCheckpointEngine (both ``wait``
     modes), killed anywhere and restarted from ``latest``: ``latest`` always names a tag
     that loads bit for bit, and never moves back."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    env = dict(os.environ)
     env.pop("LAZYCKPT_CRASH_AT", None)
-    # a first run, not killed: DeepSpeed builds its CPU communication op on first use
-    # (cached afterwards), which would otherwise eat the random kills' time window
-    code, _ = run_and_read([str(DS_CHILD), str(tmp_path), "2", "durable"], env, None)
+    root = tmp_path / "job"
+    root.mkdir()
+    env = deepspeed_env(deepspeed_ops, tmp_path, env)
+    code, _ = run_and_read([str(DS_CHILD), str(root), "2", "durable"], env, None)
     assert code == 0
-    latest = check_deepspeed(tmp_path)
+    latest = check_deepspeed(root)
     rng = random.Random(77)
     points = [p for p in POINTS if not p.startswith("zarr.")]
     survived: Counter[str] = Counter()
     for trial in range(INTEGRATION_KILLS):
         label, env = kill_env(rng, trial, points, 3)
-        env["DS_ACCELERATOR"] = "cpu"
+        env = deepspeed_env(deepspeed_ops, tmp_path, env)
         kill_after = rng.uniform(1.5, 5.0) if label == "random" else None
         wait = ("durable", "captured")[trial % 2]
-        code, _ = run_and_read([str(DS_CHILD), str(tmp_path), "4", wait], env, kill_after)
-        found = check_deepspeed(tmp_path)
+        code, _ = run_and_read([str(DS_CHILD), str(root), "4", wait], env, kill_after)
+        found = check_deepspeed(root)
         assert found >= latest, f"latest moved back from step{latest} to step{found}"
         latest = found
         survived[f"{label} ({wait})" if code else f"{label} ({wait}, not reached)"] += 1
@@ -479,16 +523,20 @@ def test_deepspeed_pointer_left_torn_by_a_kill_is_cleaned(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_kill_while_latest_is_written_under_deepspeed(tmp_path: Path) -> None:
+def test_kill_while_latest_is_written_under_deepspeed(
+    tmp_path: Path, deepspeed_ops: Path
+) -> None:
     """DeepSpeed writes ``latest`` by truncating it and writing the tag, without fsync: a
     kill in between leaves it empty. With LazyCheckpointEngine a kill at that moment (the
     child dies as soon as DeepSpeed's engine opens ``latest`` to write) must leave a
     ``latest`` that names a tag which loads."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", LAZYCKPT_KILL_IN_LATEST="1")
+    env = dict(os.environ, LAZYCKPT_KILL_IN_LATEST="1")
     env.pop("LAZYCKPT_CRASH_AT", None)
-    run_and_read([str(DS_CHILD), str(tmp_path), "2", "durable"], env, None)
-    assert check_deepspeed(tmp_path) == 2
+    root = tmp_path / "job"
+    root.mkdir()
+    env = deepspeed_env(deepspeed_ops, tmp_path, env)
+    run_and_read([str(DS_CHILD), str(root), "2", "durable"], env, None)
+    assert check_deepspeed(root) == 2
 
 
 LIGHTNING_CHILD = Path(__file__).parent / "helpers" / "crash_child_lightning.py"

@@ -169,11 +169,11 @@ def preempt(children: list[subprocess.Popen[str]]) -> list[subprocess.CompletedP
             out, err = child.communicate(timeout=60)
             ends.append(subprocess.CompletedProcess(child.args, child.returncode, out, err))
         return ends
-    finally:
+    finally:  # on a failure too: no child left running, no pipe left for the GC to close
         for child in children:
             if child.poll() is None:
                 child.kill()
-                child.wait()
+            child.communicate()
 
 
 def run_child(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
