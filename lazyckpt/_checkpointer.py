@@ -83,6 +83,7 @@ class Checkpointer:
         except BaseException:
             self._core.preemption.uninstall()
             raise
+        self._core.watch_owner(self)  # dropped without aclose(): closed when collected
         return self
 
     async def __aenter__(self) -> Checkpointer:
@@ -275,6 +276,7 @@ class SyncCheckpointer:
             except BaseException:
                 self._core.preemption.uninstall()
                 raise
+            self._core.watch_owner(self)  # dropped without close(): closed when collected
         return self
 
     def __enter__(self) -> SyncCheckpointer:

@@ -1,6 +1,21 @@
 """How a Checkpointer ends, which both facades share: close, drain, the preemption
-signal's drain and the close at interpreter exit of one its owner never closed
-(:class:`_Lifecycle`, a part of ``_core._Core``)."""
+signal's drain, the close of one its owner dropped without closing it, and the close at
+interpreter exit of one its owner never closed (:class:`_Lifecycle`, a part of
+``_core._Core``).
+
+A Checkpointer its owner drops while it is open (a helper function that opened one and
+returned, ``del ckpt``) is closed when its facade is collected: the facade's finalizer
+starts the drain and close on the engine loop, without waiting, and warns with a
+``ResourceWarning``, as an unclosed file does. The core stays referenced (``_DROPPED``)
+until that close is done, so the exit hook still finds it and waits for the drain for up
+to ``exit_timeout`` seconds. Why the facade and not the core: the core is also held by the
+guard's hook on the optimizer and by the preemption signal handler, so it may outlive its
+facade for as long as the optimizer lives, and with it the engine's thread, tasks and
+memory; the facade is held by its owner alone. Why not keep the facade alive while
+snapshots are in flight instead: it would still leave an idle, dropped Checkpointer's
+engine thread and open tiers behind, and its engine's tasks destroyed pending when the
+engine is collected (the event loop's tracebacks at exit).
+"""
 
 from __future__ import annotations
 
@@ -29,6 +44,10 @@ __all__ = ["_Lifecycle"]
 
 log = logging.getLogger("lazyckpt")
 
+# the Checkpointers whose owner dropped them open, until their close is done: held here so
+# that the exit hook, which holds each weakly, still finds one whose drain is under way
+_DROPPED: set[_Lifecycle] = set()
+
 
 class _Lifecycle:
     """Close, drain, preemption and exit handling (``_Core`` sets the attributes declared
@@ -42,6 +61,10 @@ class _Lifecycle:
     _closing: bool
     _at_exit: Callable[[], None] | None
     _guards: list[tuple[torch.optim.Optimizer, Any]]
+    # the finalizer of the facade that opened it (see the module's docstring), and the
+    # close it started when the facade was collected open
+    _owner_watch: weakref.finalize[Any, Any] | None = None
+    _dropped_close: concurrent.futures.Future[None] | None = None
 
     async def close_on_engine(self) -> None:
         await self.lazy.settle()
@@ -135,7 +158,94 @@ class _Lifecycle:
         with contextlib.suppress(RuntimeError):  # already shutting down: nothing to add
             register(at_exit)
 
+    def watch_owner(self, owner: object) -> None:
+        """Close this Checkpointer when ``owner`` (the facade, just opened) is collected
+        before it is closed; see the module's docstring."""
+        if self._owner_watch is not None:
+            return
+        watch = weakref.finalize(owner, self._owner_dropped)
+        watch.atexit = False  # at exit the exit hook drains, before the executors stop
+        self._owner_watch = watch
+
+    def _owner_dropped(self) -> None:
+        """The facade was collected while open (its finalizer: any thread, the engine's
+        included, at any point the collector runs). Starts the drain and close on the
+        engine loop without waiting for it, then warns."""
+        self._owner_watch = None
+        if self._closing or self.engine.closed or not self.engine.opened:
+            return
+        self._closing = True  # the guard's hook, still on the optimizer, waits no more
+        in_flight = self._in_flight()
+        _DROPPED.add(self)
+        if threading.current_thread() is threading.main_thread():
+            self.preemption.uninstall()  # elsewhere it stays: it only passes signals on
+        # the guard hooks stay on their optimizers, doing nothing: removing one here could
+        # change the optimizer's hook dict while the training thread iterates over it
+        close = self.engine.loop.submit(self.close_on_engine())
+        self._dropped_close = close
+        close.add_done_callback(self._dropped_closed)
+        # last: where warnings are errors (pytest), the exception must not stop the close
+        warnings.warn(
+            "a lazyckpt Checkpointer was dropped without being closed; closing it now"
+            + (f", draining the snapshots of steps {in_flight}" if in_flight else "")
+            + " (close it with 'async with', 'with' or aclose()/close())",
+            ResourceWarning,
+            stacklevel=1,  # the caller is the collector, wherever it ran
+        )
+
+    def _in_flight(self) -> list[int]:
+        """The steps in flight, from any thread: those the engine runs, and those submitted
+        that its loop has not started yet (still capturing)."""
+        steps = {f.step for f in self.engine.pending_captures()}
+        with contextlib.suppress(RuntimeError):  # the engine thread changed it meanwhile
+            steps.update(list(self.engine.flights))
+        return sorted(steps)
+
+    def _dropped_closed(self, close: concurrent.futures.Future[None]) -> None:
+        """The close of a dropped Checkpointer is done (engine thread, usually): stop the
+        loop, and say what failed, since nobody is left to raise it to."""
+        try:
+            failed = None if close.cancelled() else close.exception()
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (at exit)
+                self.engine.loop.stop()
+            errors = self.engine.take_unreported()
+            if failed is not None:
+                log.warning(
+                    "lazyckpt: closing a Checkpointer that was dropped without being closed "
+                    "failed: %s",
+                    failed,
+                )
+            if errors:
+                log.warning(
+                    "lazyckpt: a Checkpointer was dropped without being closed; %d "
+                    "snapshot(s) failed unseen: %s",
+                    len(errors),
+                    "; ".join(str(e) for e in errors[:3]),
+                )
+        finally:
+            _DROPPED.discard(self)
+
+    def _close_dropped_at_exit(self, close: concurrent.futures.Future[None]) -> None:
+        """At exit: wait for the close a dropped Checkpointer's finalizer started."""
+        with contextlib.suppress(Exception):  # a failure is _dropped_closed's to log
+            close.result(self.options.exit_timeout)
+        if close.done():
+            return  # _dropped_closed stops the loop and reports
+        lost = self._in_flight()
+        with contextlib.suppress(RuntimeError):
+            self.engine.loop.stop()
+        log.warning(
+            "a lazyckpt Checkpointer was dropped without being closed and did not drain "
+            "within exit_timeout (%s s); snapshots of steps %s were abandoned (close it "
+            "with 'async with', 'with' or aclose()/close())",
+            self.options.exit_timeout,
+            lost,
+        )
+
     def close_at_exit(self) -> None:
+        if self._dropped_close is not None:
+            self._close_dropped_at_exit(self._dropped_close)
+            return
         if self._closing or self.engine.closed:
             return
         self._closing = True
@@ -169,6 +279,9 @@ class _Lifecycle:
             )
 
     def finish_close(self) -> None:
+        if self._owner_watch is not None:
+            self._owner_watch.detach()  # closed by its owner: nothing left to do when dropped
+            self._owner_watch = None
         self.preemption.uninstall()
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)  # threading's hook is a no-op once closed

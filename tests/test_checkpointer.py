@@ -403,3 +403,48 @@ async def test_finished_snapshots_keep_no_tensor_alive_without_a_guard(tmp_path:
         gc.collect()
         assert gone() is None
         assert len(ckpt._core.engine._pending_captures) <= 1
+
+
+async def test_a_checkpointer_dropped_open_drains_closes_and_warns(tmp_path: Path) -> None:
+    # its owner lets go of it without aclose(): the snapshot in flight still commits, the
+    # tiers close (the location's lock is free again), and a ResourceWarning says so
+    import gc
+
+    from lazyckpt.testing import FaultyTier
+
+    slow = FaultyTier(FileTier(tmp_path / "file"))
+    slow.delay_s = 0.1
+    ckpt = lazyckpt.Checkpointer([HostMemoryTier(8 << 20), slow], **SMALL)
+    await ckpt.open()
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt.guard(opt)
+    handle = await ckpt.snapshot({"model": model, "optim": opt}, step=3)
+    engine = ckpt._core.engine
+    thread = engine.loop._thread
+    assert thread is not None
+    with pytest.warns(ResourceWarning, match=r"dropped without being closed.*steps \[3\]"):
+        del ckpt
+        gc.collect()
+    await handle.committed()
+    await asyncio.to_thread(thread.join, 30)
+    assert not thread.is_alive() and engine.closed
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()  # the guard left on the optimizer waits for nothing now
+    async with lazyckpt.Checkpointer([FileTier(tmp_path / "file")]) as again:
+        assert await again.steps() == [3]
+
+
+def test_a_checkpointer_closed_by_its_owner_is_not_closed_again_when_dropped(
+    tmp_path: Path,
+) -> None:
+    import gc
+
+    with lazyckpt.SyncCheckpointer([FileTier(tmp_path / "file")]) as ckpt:
+        ckpt.snapshot({"w": torch.ones(4)}, step=0)
+    core = ckpt._core
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ResourceWarning
+        del ckpt
+        gc.collect()
+    assert core._owner_watch is None and core._dropped_close is None

@@ -133,3 +133,72 @@ def test_the_test_kit_imports_without_pytest(tmp_path: Path) -> None:
     done = run(code, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "TierTests needs pytest"
+
+
+DROPPED = """
+    import gc, threading, time, warnings, torch, lazyckpt
+    from lazyckpt.testing import FaultyTier
+    from tiers import FileTier
+
+    warnings.simplefilter("always", ResourceWarning)
+
+    def helper(step):
+        # opens a Checkpointer, takes a snapshot and returns without closing it
+        slow = FaultyTier(FileTier("ckpt"))
+        slow.{fault}
+        ckpt = lazyckpt.SyncCheckpointer([slow], exit_timeout={timeout})
+        ckpt.open()
+        ckpt.snapshot({{"w": torch.full((1000,), float(step))}}, step=step)
+
+    helper(5)
+    gc.collect()  # the Checkpointer is gone; its snapshot is still on its way
+    print("returned")
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpointer_dropped_open_still_drains_at_exit(tmp_path: Path) -> None:
+    done = run(DROPPED.format(fault="delay_s = 0.3", timeout=30), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "returned"
+    assert not [n for n in NOISE if n in done.stderr], done.stderr
+    assert done.stderr.count("ResourceWarning: a lazyckpt Checkpointer was dropped") == 1
+    assert "steps [5]" in done.stderr
+    assert "abandoned" not in done.stderr
+    assert [p.name for p in (tmp_path / "ckpt").glob("step-*")] == [f"step-{5:012d}"]
+
+
+@pytest.mark.slow
+def test_a_dropped_checkpointer_that_cannot_drain_says_so_once(tmp_path: Path) -> None:
+    done = run(DROPPED.format(fault='hang("put_shard")', timeout=0.5), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not [n for n in NOISE if n in done.stderr], done.stderr
+    assert done.stderr.count("were abandoned") == 1
+    assert "snapshots of steps [5] were abandoned" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_checkpointer_dropped_idle_stops_its_thread_quietly(tmp_path: Path) -> None:
+    code = """
+        import gc, threading, time, torch, lazyckpt
+        from tiers import FileTier
+
+        ckpt = lazyckpt.SyncCheckpointer([FileTier("ckpt")]).__enter__()
+        try:
+            ckpt.snapshot({"x": torch.ones(1)}, step=10.0)
+        except lazyckpt.ConfigurationError:
+            pass
+        del ckpt
+        gc.collect()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not [t for t in threading.enumerate() if t.name == "lazyckpt-engine"]:
+                break
+            time.sleep(0.02)
+        gc.collect()
+        print(sorted(t.name for t in threading.enumerate()))
+    """
+    done = run(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "lazyckpt-engine" not in done.stdout
+    assert not [n for n in NOISE if n in done.stderr], done.stderr
