@@ -1,16 +1,40 @@
 """The optimizers a guard watches: finding the torch optimizer behind a wrapper, moving the
-wait behind a step's closure, and telling whether an optimizer's shape changed."""
+wait behind a step's closure, and telling whether an optimizer's shape changed. And the
+optimizers a restore loads into: checking, before anything is read, that a snapshot's
+optimizer state fits the target optimizer (:func:`check_optimizer_state`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, StateMismatchError
 
-__all__ = ["hook_installed", "optimizer_shape", "unwrap_optimizer", "wrap_closure"]
+__all__ = [
+    "check_optimizer_state",
+    "hook_installed",
+    "optimizer_shape",
+    "unwrap_optimizer",
+    "wrap_closure",
+]
+
+# torch's optimizers whose per-parameter state tensors all have their parameter's shape,
+# but for 0-d ones (step counts, ASGD's eta and mu). Only the exact classes: a subclass, or
+# an optimizer not listed (Adafactor's factored row and column statistics, LBFGS's flat
+# history), may keep state of other shapes.
+_SAME_SHAPE_STATE: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls
+    for cls in (
+        getattr(torch.optim, name, None)
+        for name in (
+            "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
+            "RMSprop", "Rprop", "ASGD", "SparseAdam",
+        )
+    )
+    if isinstance(cls, type)
+)
 
 
 def optimizer_shape(opt: torch.optim.Optimizer) -> tuple[int, ...]:
@@ -79,3 +103,99 @@ def wrap_closure(
     if where == "args":
         return (*args[:first], closure, *args[first + 1 :]), kwargs
     return args, {**kwargs, "closure": closure}
+
+
+def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, key: str) -> None:
+    """Raise :class:`StateMismatchError` where the snapshot's state ``saved`` of the
+    optimizer at ``key`` (its state dict, tensors standing in as anything with a
+    ``.shape``, such as their manifest entries) does not fit ``opt``: not an optimizer's
+    state dict, another number of parameter groups or of parameters in a group (which
+    torch's ``load_state_dict`` refuses only after the rest of ``into=`` was loaded), or,
+    for torch's own optimizers, a state tensor whose shape is not its parameter's (which
+    ``load_state_dict`` accepts and the next ``step()`` fails on, or silently broadcasts).
+
+    Called before anything is read, so a mismatch loads nothing."""
+    what = f"optimizer {type(opt).__qualname__} at {key!r}"
+    fix = (
+        "Build the optimizer over the same parameters, in the same parameter groups, as when "
+        "the snapshot was taken, or restore without into= and load what matches."
+    )
+    if not isinstance(saved, Mapping) or not {"state", "param_groups"} <= saved.keys():
+        have = list(saved) if isinstance(saved, Mapping) else []
+        raise StateMismatchError(
+            f"restore(into=...): the snapshot's entry for the {what} is not an optimizer's "
+            f"state dict (it has keys {have!r}, an optimizer's has 'state' and "
+            f"'param_groups'). {fix}",
+            key=key,
+            missing=[k for k in ("state", "param_groups") if k not in have],
+            unexpected=[k for k in have if k not in ("state", "param_groups")],
+        )
+    groups, state = saved["param_groups"], saved["state"]
+    sizes = _group_sizes(groups)
+    if sizes is None or not isinstance(state, Mapping):
+        raise StateMismatchError(
+            f"restore(into=...): the snapshot's state of the {what} is not a torch optimizer "
+            f"state dict ('param_groups' must be a list of groups with 'params', 'state' a "
+            f"mapping). {fix}",
+            key=key,
+            missing=[],
+            unexpected=[],
+        )
+    params = [p for g in opt.param_groups for p in g["params"]]
+    want = [len(g["params"]) for g in opt.param_groups]
+    if sizes != want:
+        saved_n, want_n = sum(sizes), len(params)
+        raise StateMismatchError(
+            f"restore(into=...): the {what} has {want_n} parameters in {len(want)} "
+            f"group(s) of sizes {want}, the snapshot's {saved_n} in {len(sizes)} of sizes "
+            f"{sizes}; nothing was loaded. {fix}",
+            key=key,
+            # the parameters by their index in the state dict, as torch numbers them
+            missing=list(range(saved_n, want_n)),
+            unexpected=list(range(want_n, saved_n)),
+        )
+    if type(opt) not in _SAME_SHAPE_STATE:
+        return
+    for index, entry in state.items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            raise StateMismatchError(
+                f"restore(into=...): the snapshot's state of the {what} is for parameter "
+                f"{index!r}, which its {len(params)} parameters do not have. {fix}",
+                key=key,
+                missing=[],
+                unexpected=[index],
+            )
+        if not isinstance(entry, Mapping):
+            continue
+        param_shape = tuple(params[index].shape)
+        for name, value in entry.items():
+            shape = _shape_of(value)
+            if shape is not None and shape and shape != param_shape:
+                raise StateMismatchError(
+                    f"restore(into=...): the snapshot's {name!r} of parameter {index} of the "
+                    f"{what} has shape {list(shape)}, the parameter {list(param_shape)}; "
+                    f"nothing was loaded. {fix}",
+                    key=f"{key}/state/{index}/{name}",
+                    missing=[],
+                    unexpected=[],
+                )
+
+
+def _group_sizes(groups: Any) -> list[int] | None:
+    if not isinstance(groups, Sequence) or isinstance(groups, str | bytes):
+        return None
+    sizes = []
+    for group in groups:
+        params = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(params, Sequence) or isinstance(params, str | bytes):
+            return None
+        sizes.append(len(params))
+    return sizes
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+    """The (global: a DTensor's, not its chunk's) shape a snapshot's tensor stands for."""
+    shape = getattr(value, "global_shape", None) or getattr(value, "shape", None)
+    if shape is None:
+        return None
+    return tuple(int(n) for n in shape)

@@ -9,8 +9,10 @@ Bytes go straight into the destination tensor when it is a contiguous CPU tensor
 ``into=`` target or a new tensor); otherwise through a temporary buffer and ``copy_``.
 
 An ``into=`` target is checked against the snapshot before any byte is read
-(:func:`align_into`, in ``_restore_keys``: wrapper prefixes are mapped there) and the
-restored state is loaded into it at the end (:func:`apply_into`, in ``_restore_into``).
+(:func:`align_into`, in ``_restore_keys``: wrapper prefixes are mapped there; the
+optimizers' parameter groups and state shapes, :func:`check_optimizers`; each tensor's
+shape and dtype, ``_Destinations``) and the restored state is loaded into it at the end
+(:func:`apply_into`, in ``_restore_into``).
 Verifying a step without restoring it is ``_verify_step``. The names of those modules stay
 importable from here.
 """
@@ -37,6 +39,7 @@ from ._cuda.restore import restore_into
 from ._errors import (
     ConfigurationError,
     CorruptionError,
+    LazyCkptError,
     SnapshotNotFoundError,
     TierError,
     first_error,
@@ -51,10 +54,11 @@ from ._fetch import (
 )
 from ._gc import collector_paused
 from ._manifest import Manifest, ShardMeta, TensorMeta
-from ._restore_into import _mismatch, apply_into
-from ._restore_keys import WRAPPER_PREFIXES, align_into, strip_prefix
+from ._optimizers import check_optimizer_state
+from ._restore_into import _join, _mismatch, _stateful, apply_into
+from ._restore_keys import WRAPPER_PREFIXES, _items, _key_of, align_into, strip_prefix
 from ._tier import SupportsChecksummedRead, Tier
-from ._tree import _escape, decode_tree, walk_state
+from ._tree import JSON, _escape, decode_tree, walk_state
 from ._verify_step import VerifyReport, verify_step
 
 __all__ = [
@@ -62,6 +66,7 @@ __all__ = [
     "VerifyReport",
     "align_into",
     "apply_into",
+    "check_optimizers",
     "committed_steps",
     "read_manifest",
     "restore_lazily",
@@ -86,6 +91,38 @@ async def read_manifest(
     raise CorruptionError(
         f"step {step}: no tier holds a readable manifest: " + "; ".join(map(str, problems))
     )
+
+
+def check_optimizers(manifest: Manifest, into: Any) -> None:
+    """Check every torch optimizer in the mappings of ``into`` against its state in
+    ``manifest`` (:func:`check_optimizer_state`) before anything is read: torch's own
+    ``load_state_dict`` would refuse a different number of parameters only at the end, after
+    the rest of ``into`` was loaded. ``manifest``: as :func:`align_into` returned it."""
+    if into is None:
+        return
+    metas: list[Any] = list(manifest.tensors)  # each tensor stands in as its entry (a shape)
+    _check_node(manifest.tree, into, "", metas)
+
+
+def _check_node(node: JSON, into: Any, path: str, metas: list[Any]) -> None:
+    if not isinstance(into, MutableMapping) or _stateful(into):
+        return
+    found = _items(node)
+    if found is None:
+        return
+    for k_node, v_node in found[0]:
+        k = _key_of(k_node)
+        if k not in into:
+            continue
+        target, key = into[k], _join(path, k)
+        if isinstance(target, torch.optim.Optimizer):
+            try:
+                saved = decode_tree(v_node, metas, allow_pickle=False)
+            except LazyCkptError:
+                continue  # pickled or damaged: the restore itself refuses or reports it
+            check_optimizer_state(target, saved, key)
+        else:
+            _check_node(v_node, target, key, metas)
 
 
 def _empty(meta: TensorMeta) -> torch.Tensor:
@@ -296,6 +333,7 @@ async def restore_state(
         decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
     with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
         manifest = align_into(manifest, into)
+        check_optimizers(manifest, into)
         dests = _Destinations(manifest, into, map_location, _read_alignment(sources))
     problems: list[Exception] = []
     shards: Sequence[ShardMeta] = manifest.shards
@@ -339,6 +377,7 @@ async def restore_lazily(
     if manifest.pickled and not allow_pickle:
         decode_tree(manifest.tree, [None] * len(manifest.tensors), allow_pickle=False)
     manifest = align_into(manifest, into)
+    check_optimizers(manifest, into)
     dests = _Destinations(manifest, into, map_location, _read_alignment(sources))
     if any(t is not None and t.device.type == "cuda" for t in dests.final):
         return None

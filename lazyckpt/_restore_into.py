@@ -3,7 +3,10 @@
 Tensors were already filled in place by the read; here Stateful objects get
 ``load_state_dict``, generators their state, dataclass instances their fields, and plain
 values of a mutable mapping are replaced. Every key is checked before anything is loaded
-(:class:`StateMismatchError`), so a mismatch changes nothing.
+(:class:`StateMismatchError`), so a mismatch changes nothing. What a Stateful object's own
+``load_state_dict`` still refuses after those checks is raised as a
+:class:`StateMismatchError` too, its error the ``__cause__``; by then the target is partly
+restored (see :func:`apply_into`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import ConfigurationError, StateMismatchError
+from ._errors import ConfigurationError, LazyCkptError, StateMismatchError
 from ._tree import DataclassValue, Stateful, StatefulValue
 
 __all__ = ["apply_into"]
@@ -28,6 +31,10 @@ def apply_into(into: Any, restored: Any, key: str = "") -> None:
     fields; other values of a mutable mapping are replaced.
 
     Every key is checked first (:class:`StateMismatchError`), so a mismatch changes nothing.
+    Then the entries load depth first in ``restored``'s (the snapshot's) key order; a
+    Stateful object whose ``load_state_dict`` raises stops it there, with the entries
+    before loaded (and the tensors, filled by the read before this is called), as a
+    :class:`StateMismatchError` whose ``__cause__`` is the object's error.
     """
     _check_keys(into, restored, key)
     if not _load(into, restored, key):
@@ -120,7 +127,7 @@ def _load(current: Any, value: Any, key: str) -> bool:
             current.copy_(value)
         return isinstance(value, torch.Tensor)
     if _stateful(current):
-        current.load_state_dict(dict(value) if isinstance(value, StatefulValue) else value)
+        _load_stateful(current, dict(value) if isinstance(value, StatefulValue) else value, key)
         return True
     if isinstance(current, MutableMapping) and isinstance(value, Mapping):
         for k, v in value.items():
@@ -163,6 +170,28 @@ def _load(current: Any, value: Any, key: str) -> bool:
         np.copyto(current, value)
         return True
     return False
+
+
+def _load_stateful(target: Any, state: Any, key: str) -> None:
+    """``target.load_state_dict(state)``, its failure raised as a :class:`StateMismatchError`
+    naming ``key`` (the original as ``__cause__``). What could be checked was checked before
+    anything was read; what the object's own method still refuses comes after the tensors
+    of ``into=`` were filled and the entries before this one loaded."""
+    try:
+        target.load_state_dict(state)
+    except LazyCkptError:
+        raise
+    except Exception as exc:
+        raise StateMismatchError(
+            f"restore(into=...): {type(target).__qualname__}.load_state_dict refused the "
+            f"snapshot's state at {key or '<root>'!r}: {type(exc).__name__}: {exc}. The "
+            "target is partly restored: its tensors were filled in place and the entries "
+            "before this one loaded (in the snapshot's key order), so restore again into "
+            "fresh objects, or restore without into= and load what matches.",
+            key=key,
+            missing=[],
+            unexpected=[],
+        ) from exc
 
 
 def _plain(value: Any) -> Any:
