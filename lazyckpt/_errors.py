@@ -99,7 +99,12 @@ class StateMismatchError(ConfigurationError):
 
     Raised before anything is loaded. ``key`` is the path of the mapping or module that
     differs (``""`` for the top level), ``missing`` the keys the target has and the snapshot
-    lacks, ``unexpected`` the keys the snapshot has and the target lacks.
+    lacks, ``unexpected`` the keys the snapshot has and the target lacks. For an optimizer
+    whose parameter groups differ from the snapshot's, the keys are parameter indexes.
+
+    Also raised, with the object's error as ``__cause__``, when a Stateful object's own
+    ``load_state_dict`` refuses the snapshot's state after every check passed: then the
+    target is partly restored (the message says so).
     """
 
     def __init__(
