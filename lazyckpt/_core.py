@@ -54,6 +54,10 @@ class _Plan:
     nbytes: int
     forced: list[int]
     candidates: list[int]
+    # the refs left lazy whoever owns them (larger than eager_bytes, no pattern for them,
+    # not aliases), and the aliases: what _changing looks at
+    large: list[int]
+    aliases: list[int]
 
 
 class _Core(_StepOps, _Lifecycle):
@@ -73,6 +77,11 @@ class _Core(_StepOps, _Lifecycle):
         self._closing = False
         self._open_lock = threading.Lock()
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []
+        # under a guard: the version counter of each tensor no guarded optimizer owns, by
+        # data pointer, as the last snapshot saw it (see _changing), and the keys already
+        # reported as changing between snapshots
+        self._unowned_versions: dict[int, int] = {}
+        self._reported_changing: set[str] = set()
         # the last plan: its signature, the manifest, its tensor bytes (summed once) and the
         # eager policy's choice as far as the structure decides it
         self._plan_cache: _Plan | None = None
@@ -152,6 +161,9 @@ class _Core(_StepOps, _Lifecycle):
             chosen = self._eager(columns.pointers)
             if chosen:
                 copy_eager(refs, chosen)
+            changing = self._changing(refs, columns.pointers)
+            if changing:
+                copy_eager(refs, changing)
         if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
             return self._skip(
                 step,
@@ -274,7 +286,19 @@ class _Core(_StepOps, _Lifecycle):
             world_size=self.engine.world_size,
         )
         forced, candidates = self._eager_classes(refs, tensors)
-        self._plan_cache = _Plan(signature, manifest, manifest.tensor_bytes, forced, candidates)
+        eager = set(forced) | set(candidates)
+        lazy_re = self.policy._lazy_re
+        large = [
+            i
+            for i, ref in enumerate(refs)
+            if i not in eager
+            and ref.alias_of is None
+            and (lazy_re is None or not lazy_re.match(ref.key))
+        ]
+        aliases = [i for i, ref in enumerate(refs) if ref.alias_of is not None]
+        self._plan_cache = _Plan(
+            signature, manifest, manifest.tensor_bytes, forced, candidates, large, aliases
+        )
         return manifest, self._plan_cache.nbytes
 
     def _eager_classes(
@@ -313,6 +337,63 @@ class _Core(_StepOps, _Lifecycle):
             return forced
         picked = [i for i, p in zip(candidates, pointers, strict=True) if p not in owned]
         return sorted(forced + picked) if forced else picked
+
+    def _changing(self, refs: list[TensorRef], every: list[int]) -> list[int]:
+        """Under a guard: the lazily captured refs that no guarded optimizer owns and whose
+        tensor changed since the previous snapshot (its version counter moved), with their
+        aliases. They are copied at ``snapshot()`` as the eager ones are.
+
+        Such a tensor is written between optimizer steps by something the guard does not
+        hold (a large buffer updated in forward, an EMA, a second optimizer): left to the
+        lazy capture it races with that writer, and the version check cannot always see
+        the race on a CPU tensor, since torch moves the counter when an in-place operation
+        ends, so a copy taken while one is still running (on another core, or paused
+        midway) passes the check torn. Seen changing once, the tensor is copied at every
+        ``snapshot()`` from then on, and a warning names it once. ``every``: the refs'
+        data pointers as the walk read them. Only the refs the eager policy leaves lazy
+        whoever owns them are looked at (kept with the plan); a key matching ``lazy=`` is
+        not among them.
+
+        The first snapshot of such a tensor has no earlier version to compare with: it is
+        captured lazily, and only the version check guards it (docs/guarantees.md). Without
+        a guard every tensor changes between snapshots (the optimizer step), so nothing is
+        done here. When the guarded optimizers own every such ref (the usual case) it is
+        one set operation. Call after :meth:`_plan`."""
+        assert self._plan_cache is not None
+        large = self._plan_cache.large
+        if not self._guards or not large:
+            return []
+        owned = self.owned_pointers()
+        pointers = list(map(every.__getitem__, large))
+        if not owned or owned.issuperset(pointers):
+            self._unowned_versions = {}
+            return []
+        seen, now = self._unowned_versions, {}
+        picked: set[int] = set()
+        for i, pointer in zip(large, pointers, strict=True):
+            ref = refs[i]
+            if pointer in owned or ref.version is None:
+                continue
+            now[pointer] = ref.version
+            before = seen.get(pointer)
+            if before is None or before == ref.version:
+                continue
+            picked.add(i)
+            if ref.key not in self._reported_changing:
+                self._reported_changing.add(ref.key)
+                log.warning(
+                    "tensor %r changed between snapshots although no guarded optimizer owns "
+                    "it: it is copied at snapshot() from now on (%d bytes each time), "
+                    "since a lazy capture would race with whatever writes it. List it in "
+                    "Checkpointer(eager=[...]) to copy it from the first snapshot on, or "
+                    "guard the optimizer that changes it.",
+                    ref.key,
+                    ref.tensor.numel() * ref.tensor.element_size(),
+                )
+        self._unowned_versions = now
+        if picked:
+            picked.update(j for j in self._plan_cache.aliases if refs[j].alias_of in picked)
+        return sorted(picked)
 
     def wait_captured_blocking(self, *, report: bool = True) -> float:
         """Block until every pending capture is done; return the seconds waited. With
