@@ -114,7 +114,12 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, key: str) -> N
     for torch's own optimizers, a state tensor whose shape is not its parameter's (which
     ``load_state_dict`` accepts and the next ``step()`` fails on, or silently broadcasts).
 
-    Called before anything is read, so a mismatch loads nothing."""
+    Only an optimizer that keeps torch's own ``state_dict``/``load_state_dict`` is
+    checked: one that overrides them (torchtitan's ``OptimizersContainer``, wrappers that
+    delegate to an inner optimizer) has a format of its own, which its ``load_state_dict``
+    checks. Called before anything is read, so a mismatch loads nothing."""
+    if not has_torch_state_dict(opt):
+        return
     what = f"optimizer {type(opt).__qualname__} at {key!r}"
     fix = (
         "Build the optimizer over the same parameters, in the same parameter groups, as when "
@@ -179,6 +184,13 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, key: str) -> N
                     missing=[],
                     unexpected=[],
                 )
+
+
+def has_torch_state_dict(opt: torch.optim.Optimizer) -> bool:
+    """Does ``opt`` save and load torch's optimizer state dict format (``state`` by
+    parameter index, ``param_groups``), not one of its own?"""
+    cls, base = type(opt), torch.optim.Optimizer
+    return cls.state_dict is base.state_dict and cls.load_state_dict is base.load_state_dict
 
 
 def _group_sizes(groups: Any) -> list[int] | None:

@@ -179,3 +179,22 @@ def test_a_stateful_that_refuses_its_state_raises_a_typed_error_with_the_cause(
     # what the docs say of a failure this late: the tensors were filled, the entries
     # before it (in the snapshot's order) loaded
     assert torch.equal(w, torch.ones(3)) and first.loaded == {"n": 7}
+
+
+class OwnFormat(torch.optim.SGD):
+    """An optimizer with a state dict format of its own, as torchtitan's container has."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"flat.lr": self.param_groups[0]["lr"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.param_groups[0]["lr"] = state_dict["flat.lr"]
+
+
+def test_an_optimizer_with_its_own_state_dict_format_is_left_to_its_load_state_dict(
+    tmp_path: Path,
+) -> None:
+    save(tmp_path, {"optim": OwnFormat(net().parameters(), lr=0.25)})
+    target = OwnFormat(list(net().parameters())[:1], lr=0.5)  # fewer parameters: its business
+    restore(tmp_path, {"optim": target})
+    assert target.param_groups[0]["lr"] == 0.25
