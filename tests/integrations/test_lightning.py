@@ -131,7 +131,7 @@ def test_checkpoint_dict_round_trips(tmp_path: Path) -> None:
     expected = plain.load_checkpoint(root / "ckpts" / "last.ckpt")
 
     assert loaded.keys() == expected.keys()
-    assert loaded["hyper_parameters"] == {"width": 6, "lr": 0.1, "seed": 0}
+    assert loaded["hyper_parameters"] == {"width": 6, "lr": 0.1, "seed": 0, "data_seed": 1}
     assert loaded["global_step"] == BATCHES
     for key in ("loops", "lr_schedulers", "epoch", "hparams_name"):
         assert loaded[key] == expected[key], key
