@@ -389,13 +389,13 @@ class LazyCheckpointIO(_Bases):
         )
         ckpt = self.checkpointer
         gone = set(stale)
+        keep = resumed if resumed is not None and resumed in ckpt.steps() else None
         with self._lock:
             # first the pointers (a crash between leaves steps no path names, not paths
             # naming nothing), under the lock the writer thread writes pointers under
             directories = {os.path.dirname(p) for p in self._paths} | {os.path.dirname(path)}
             for p in [p for p, s in self._paths.items() if s in gone]:
                 del self._paths[p]
-            keep = resumed if resumed is not None and resumed in ckpt.steps() else None
             for directory in sorted(directories):
                 self._drop_pointers(directory, gone, keep)
         for s in sorted(stale, reverse=True):
