@@ -381,3 +381,19 @@ def test_pointers_to_abandoned_steps_go_before_the_new_save_lands(tmp_path: Path
         }
         assert torch.equal(io.load_checkpoint(ckpts / "last.ckpt")["w"], torch.full((3,), -2.0))
         assert io.checkpointer.steps() == [1, 2]
+
+
+def test_a_step_going_back_within_a_run_is_refused_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.ERROR, logger="lazyckpt.integrations.lightning"),
+        LazyCheckpointIO(chain(tmp_path)) as io,
+    ):
+        io._guarded = io._training = True
+        io.save_checkpoint({"global_step": 5, "w": torch.ones(2)}, tmp_path / "a.ckpt")
+        io.save_checkpoint({"global_step": 3, "w": torch.zeros(2)}, tmp_path / "b.ckpt")
+        io.teardown()
+        assert io.checkpointer.steps() == [5]  # this run's own step 5 is not replaced
+    assert "comes after step 5, which this run already saved" in caplog.text
+    assert read_pointer(str(tmp_path / "a.ckpt")) == 5 and not (tmp_path / "b.ckpt").exists()
