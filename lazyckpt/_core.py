@@ -54,6 +54,10 @@ class _Plan:
     nbytes: int
     forced: list[int]
     candidates: list[int]
+    # the refs left lazy whoever owns them (larger than eager_bytes, no pattern for them,
+    # not aliases), and the aliases: what _changing looks at
+    large: list[int]
+    aliases: list[int]
 
 
 class _Core(_StepOps, _Lifecycle):
@@ -73,6 +77,11 @@ class _Core(_StepOps, _Lifecycle):
         self._closing = False
         self._open_lock = threading.Lock()
         self._guards: list[tuple[torch.optim.Optimizer, Any]] = []
+        # under a guard: the lazily captured refs no guarded optimizer owns, watched from
+        # snapshot() to the guard's next wait, and the keys of those seen changing in that
+        # window, copied at snapshot() from then on (see _changing)
+        self._watched: list[TensorRef] = []
+        self._changes_seen: set[str] = set()
         # the last plan: its signature, the manifest, its tensor bytes (summed once) and the
         # eager policy's choice as far as the structure decides it
         self._plan_cache: _Plan | None = None
@@ -152,6 +161,9 @@ class _Core(_StepOps, _Lifecycle):
             chosen = self._eager(columns.pointers)
             if chosen:
                 copy_eager(refs, chosen)
+            changing = self._changing(refs, columns.pointers)
+            if changing:
+                copy_eager(refs, changing)
         if self.options.when_busy == "skip" and self.engine.busy_for(manifest):
             return self._skip(
                 step,
@@ -274,7 +286,19 @@ class _Core(_StepOps, _Lifecycle):
             world_size=self.engine.world_size,
         )
         forced, candidates = self._eager_classes(refs, tensors)
-        self._plan_cache = _Plan(signature, manifest, manifest.tensor_bytes, forced, candidates)
+        eager = set(forced) | set(candidates)
+        lazy_re = self.policy._lazy_re
+        large = [
+            i
+            for i, ref in enumerate(refs)
+            if i not in eager
+            and ref.alias_of is None
+            and (lazy_re is None or not lazy_re.match(ref.key))
+        ]
+        aliases = [i for i, ref in enumerate(refs) if ref.alias_of is not None]
+        self._plan_cache = _Plan(
+            signature, manifest, manifest.tensor_bytes, forced, candidates, large, aliases
+        )
         return manifest, self._plan_cache.nbytes
 
     def _eager_classes(
@@ -313,6 +337,70 @@ class _Core(_StepOps, _Lifecycle):
             return forced
         picked = [i for i, p in zip(candidates, pointers, strict=True) if p not in owned]
         return sorted(forced + picked) if forced else picked
+
+    def _changing(self, refs: list[TensorRef], every: list[int]) -> list[int]:
+        """Under a guard: the refs left lazy whoever owns them that no guarded optimizer
+        owns and that were seen changing *before the optimizer step* after an earlier
+        snapshot (:meth:`_note_changes`), with their aliases. They are copied at
+        ``snapshot()`` as the eager ones are. The others of those unowned refs are watched
+        until the guard's next wait. ``every``: the refs' data pointers as the walk read
+        them. When the guarded optimizers own every such ref (the usual case) this is one
+        set operation. Call after :meth:`_plan`.
+
+        Why: such a tensor is written between ``snapshot()`` and the optimizer step by
+        something the guard does not hold (a large buffer updated in forward, an EMA in a
+        hook): left to the lazy capture it races with that writer, and on a CPU tensor the
+        version check cannot always see the race, since torch moves the counter when an
+        in-place operation *ends*, so a copy taken while one is still running (on an
+        intra-op thread, or paused midway) passes the check torn. A change made after the
+        guard's wait (the optimizer step itself, even for a tensor the owned set misses,
+        such as a view of a flat buffer) cannot race with the capture and does not count.
+        The first snapshot of such a tensor, before it was seen changing, is captured
+        lazily and only the version check guards it (docs/guarantees.md, item 9). Without
+        a guard nothing is watched: there is no point that separates the forward pass
+        from the optimizer step."""
+        assert self._plan_cache is not None
+        large = self._plan_cache.large
+        self._watched = []
+        if not self._guards or not large:
+            return []
+        owned = self.owned_pointers()
+        pointers = list(map(every.__getitem__, large))
+        if owned.issuperset(pointers):
+            return []
+        changing = self._changes_seen
+        picked: set[int] = set()
+        for i, pointer in zip(large, pointers, strict=True):
+            if pointer in owned:
+                continue
+            ref = refs[i]
+            if ref.key in changing:
+                picked.add(i)
+            elif ref.version is not None:
+                self._watched.append(ref)
+        if picked:
+            picked.update(j for j in self._plan_cache.aliases if refs[j].alias_of in picked)
+        return sorted(picked)
+
+    def _note_changes(self) -> None:
+        """At the guard's wait, on the training thread: every operation it ran since the
+        last ``snapshot()`` has ended, so a watched tensor whose version counter moved was
+        written before this optimizer step; it is copied at ``snapshot()`` from now on,
+        and a warning names it once (see :meth:`_changing`)."""
+        watched, self._watched = self._watched, []
+        for ref in watched:
+            if ref.tensor._version == ref.version or ref.key in self._changes_seen:
+                continue
+            self._changes_seen.add(ref.key)
+            log.warning(
+                "tensor %r changed between snapshot() and the optimizer step although no "
+                "guarded optimizer owns it (a buffer updated in forward?): it is copied at "
+                "snapshot() from now on (%d bytes each time), since a lazy capture races "
+                "with whatever writes it. List it in Checkpointer(eager=[...]) to copy it "
+                "from the first snapshot on.",
+                ref.key,
+                ref.tensor.numel() * ref.tensor.element_size(),
+            )
 
     def wait_captured_blocking(self, *, report: bool = True) -> float:
         """Block until every pending capture is done; return the seconds waited. With
@@ -362,6 +450,8 @@ class _Core(_StepOps, _Lifecycle):
                     fence(None, (), {})
                 else:
                     self.wait_captured_blocking(report=False)
+                if self._watched:
+                    self._note_changes()
             except Exception:
                 log.exception("lazyckpt's guard failed to wait for the pending captures")
 

@@ -258,6 +258,13 @@ def test_ls_missing_directory_exits_3(run: Run, tmp_path: Path) -> None:
     assert "no such directory" in err
 
 
+def test_ls_of_a_file_says_it_is_not_a_directory(run: Run, tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    code, _, err = run("ls", tmp_path / "notes.txt")
+    assert code == EXIT_NOT_FOUND
+    assert "a file, not a directory" in err
+
+
 def test_ls_empty_directory(run: Run, tmp_path: Path) -> None:
     code, out, err = run("ls", tmp_path)
     assert code == EXIT_OK

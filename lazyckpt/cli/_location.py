@@ -135,7 +135,8 @@ async def open_location(spec: str, *, create: bool = False, write: bool = False)
     not honour it, and reads need no ``open()``.
 
     Raises:
-        CommandError: no such directory (exit 3), or no tier for it (exit 2).
+        CommandError: no such directory, or a file there (exit 3), or no tier for it
+            (exit 2).
         LocationInUseError: another writer holds the location (``write``/``create``).
     """
     # Resolving looks at the file system (a marker file?) and loads the tier plugins.
@@ -149,7 +150,10 @@ async def open_location(spec: str, *, create: bool = False, write: bool = False)
             EXIT_USAGE,
         )
     if local and not create and not await asyncio.to_thread(Path(arg).is_dir):
-        raise CommandError(f"{spec}: no such directory", EXIT_NOT_FOUND)
+        what = "a file, not a directory" if await asyncio.to_thread(Path(arg).exists) else (
+            "no such directory"
+        )
+        raise CommandError(f"{spec}: {what}", EXIT_NOT_FOUND)
     readonly = not (create or write)
     # a tier whose constructor takes readonly= honours it: opened so, it checks the location
     # (a missing one is SnapshotNotFoundError) and creates, deletes and locks nothing
