@@ -28,6 +28,13 @@ What it does, and where in the Trainer's loop:
   once as a Trainer checkpoint folder in a temporary directory (removed at the end of
   training or by :meth:`close`); ``trainer.train(resume_from_checkpoint=...)`` then resumes
   exactly as from its own checkpoint: data skipping, RNG, scheduler, callbacks' state.
+- **Resume from an earlier step.** The store may hold steps this run did not write: those of
+  a run resumed from an earlier step (a rollback), or of another run on the same tiers. The
+  first save that reaches such a step replaces that run's later steps, as the Trainer
+  overwrites its ``checkpoint-N`` folders: the steps after the one resumed from (or from the
+  saved step on, if the run did not resume through :meth:`checkpoint_dir`) are deleted,
+  with a WARNING naming them, and the new state is saved. A save of the step resumed from,
+  or of a step this run already saved, is taken once.
 
 A failed snapshot never stops training: it is logged (logger
 ``lazyckpt.integrations.huggingface``, level ERROR).
@@ -35,6 +42,7 @@ A failed snapshot never stops training: it is logged (logger
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -142,7 +150,8 @@ class LazyCheckpointCallback(TrainerCallback):
         self._closed = False
         self._due = False
         self._handles: list[SnapshotHandle] = []
-        self._newest: int | None = None
+        self._written: set[int] = set()  # steps this run snapshotted (since on_train_begin)
+        self._resumed: int | None = None  # the step checkpoint_dir last wrote for a resume
         self._resume_dirs: list[str] = []
         self._guard: Any = None  # the optimizer's step-hook handle while training
 
@@ -156,8 +165,6 @@ class LazyCheckpointCallback(TrainerCallback):
         if not self._opened:
             self._ckpt.open()
             self._opened = True
-            steps = self._ckpt.steps()
-            self._newest = steps[-1] if steps else None
         return self._ckpt
 
     def close(self) -> None:
@@ -203,12 +210,16 @@ class LazyCheckpointCallback(TrainerCallback):
             raise SnapshotNotFoundError(
                 f"lazyckpt step {step} was not written by LazyCheckpointCallback"
             )
-        if self._newest is not None and step < self._newest:
+        later = [s for s in ckpt.steps() if s > step]
+        if later:
             log.warning(
-                "lazyckpt: resuming from step %d while the store holds up to step %d: "
-                "snapshots of steps up to %d will be refused (steps only increase) unless "
-                "the newer steps are deleted", step, self._newest, self._newest,
+                "lazyckpt: resuming from step %d while the store holds later steps %s: the "
+                "first save of a step up to %d deletes them (they belong to the run being "
+                "abandoned) and saves the new state",
+                step, later, later[-1],
             )
+        self._resumed = step
+        self._written = {s for s in self._written if s <= step}
         root = tempfile.mkdtemp(prefix="lazyckpt-resume-", dir=dir)
         self._resume_dirs.append(root)
         folder = os.path.join(root, f"checkpoint-{step}")
@@ -240,6 +251,7 @@ class LazyCheckpointCallback(TrainerCallback):
                 "LazyCheckpointCallback(..., keep_trainer_save=True) or turn it off"
             )
         self._due = False
+        self._written = set()  # a new run: the steps in the store are not its own yet
         if args.should_save:
             try:
                 ckpt = self.checkpointer
@@ -312,6 +324,7 @@ class LazyCheckpointCallback(TrainerCallback):
             self._guard = None
         self._drain()
         self._remove_resume_dirs()
+        self._resumed = None
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -333,14 +346,16 @@ class LazyCheckpointCallback(TrainerCallback):
     def _snapshot(self, state: TrainerState, control: TrainerControl, kw: dict[str, Any]) -> None:
         step = state.global_step
         ckpt = self.checkpointer
-        if self._newest is not None and step <= self._newest:
-            if step in ckpt.steps():
-                return  # this very state is already saved (a resume at this step)
-            raise ConfigurationError(
-                f"global step {step} is older than step {self._newest} already in the store, "
-                "and lazyckpt steps only increase; after resuming from an older step, delete "
-                "the newer ones (lazyckpt gc / delete()) or use new tiers"
-            )
+        if step in self._written:
+            # the same step's save decided twice (at a step's and at the epoch's end): this
+            # run saved this very state already
+            log.debug("lazyckpt: step %d already saved by this run", step)
+            return
+        stored = ckpt.steps()
+        if step == self._resumed and step in stored:
+            log.debug("lazyckpt: step %d is the step this run resumed from", step)
+            return  # the state restored from it, not changed since
+        stale = self._abandoned(step, stored)
         optimizer, scheduler, model = kw["optimizer"], kw["lr_scheduler"], kw["model"]
         trainer_state = dataclasses.asdict(state)
         # as the Trainer does before writing trainer_state.json: its control's current state
@@ -358,6 +373,8 @@ class LazyCheckpointCallback(TrainerCallback):
             "rng": rng_state(),
             "trainer_state": json.dumps(trainer_state, indent=2, sort_keys=True) + "\n",
         }
+        if stale:
+            self._retire(step, stale)
         try:
             handle = ckpt.snapshot(snapshot, step=step)
         except LazyCkptError as exc:
@@ -368,9 +385,46 @@ class LazyCheckpointCallback(TrainerCallback):
         if handle.skipped:
             log.warning("lazyckpt: snapshot of step %d skipped (pipeline busy)", step)
             return
-        self._newest = step
+        self._written.add(step)
         self._handles = [h for h in self._handles if not h.done()]
         self._handles.append(handle)
+
+    def _abandoned(self, step: int, stored: list[int]) -> list[int]:
+        """The stored steps that a save of ``step`` replaces: none if ``step`` is newer than
+        all; else the steps of another timeline from ``step`` on, and from the step resumed
+        from onwards (a rollback's whole abandoned future).
+
+        Raises:
+            ConfigurationError: this run already saved a step after ``step`` (the global
+                step went back within one run).
+        """
+        later = sorted(s for s in self._written if s > step)
+        if later:
+            raise ConfigurationError(
+                f"global step {step} comes after step {later[-1]}, which this run already "
+                "saved; lazyckpt steps only increase within a run"
+            )
+        if not stored or step > stored[-1]:
+            return []
+        floor = step
+        if self._resumed is not None and self._resumed < step:
+            floor = self._resumed + 1
+        return [s for s in stored if s >= floor]
+
+    def _retire(self, step: int, stale: list[int]) -> None:
+        """Delete ``stale``, the newest first (each deletion lets the checkpointer take that
+        step number again), so that the save of ``step`` replaces them."""
+        log.warning(
+            "lazyckpt: the store holds step(s) %s from another run (this run resumed from "
+            "step %s); deleting them so that this run's save of step %d and later ones "
+            "replace them, as the Trainer overwrites its checkpoint-N folders",
+            stale, self._resumed if self._resumed is not None else "no lazyckpt step", step,
+        )
+        ckpt = self.checkpointer
+        for s in sorted(stale, reverse=True):
+            with contextlib.suppress(SnapshotNotFoundError):  # already gone: retention
+                ckpt.delete(s)
+        self._resumed = None
 
     def _drain(self) -> None:
         handles, self._handles = self._handles, []

@@ -22,6 +22,13 @@ How Lightning's calls map onto lazyckpt:
   :meth:`LazyCheckpointIO.setup` checks this).
 - ``load_checkpoint(path)`` reads the pointer and restores its step; a file that is not a
   pointer (an ordinary ``.ckpt``) is loaded with ``torch.load`` as Lightning would.
+- Resume from an earlier step (a rollback), or a new run on tiers that hold another run's
+  steps: the first save of a step the store already holds, but that this run did not write,
+  replaces the other run's later steps, as Lightning overwrites a file of the same name.
+  The steps after the one resumed from (or from the saved step on) are deleted, with a
+  WARNING naming them; pointer files naming them are removed (a ``last*`` file is pointed
+  at the step resumed from instead), then the new state is saved. No path ever names a
+  step of the abandoned run after it.
 - As a callback, ``on_before_optimizer_step`` (after backward, before the update) waits for
   pending captures, so the copy overlaps the next forward and backward passes. Without the
   callback the plugin still saves correctly, but each save waits for its capture.
@@ -230,7 +237,8 @@ class LazyCheckpointIO(_Bases):
         self._lock = threading.Lock()
         self._paths: dict[str, int] = {}  # path -> step, for paths saved or read by this object
         self._pending: dict[int, SnapshotHandle] = {}  # step -> handle, not yet committed
-        self._newest: int | None = None  # newest step in the store or snapshotted here
+        self._written: set[int] = set()  # steps this run snapshotted (since on_train_start)
+        self._resumed: int | None = None  # the step load_checkpoint last restored
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._jobs: list[concurrent.futures.Future[None]] = []
         self._guarded = False  # registered as a callback: its hook guards the optimizer step
@@ -249,8 +257,6 @@ class LazyCheckpointIO(_Bases):
         if not self._opened:
             self._ckpt.open()
             self._opened = True
-            steps = self._ckpt.steps()
-            self._newest = steps[-1] if steps else None
         return self._ckpt
 
     def __enter__(self) -> LazyCheckpointIO:
@@ -301,18 +307,21 @@ class LazyCheckpointIO(_Bases):
             )
         ckpt = self.checkpointer
         with self._lock:
-            known = step in self._paths.values() or step in self._pending
-        if self._newest is not None and step <= self._newest:
-            if not known and step not in ckpt.steps():
-                raise ConfigurationError(
-                    f"global step {step} is older than step {self._newest} already in the "
-                    "store, and lazyckpt steps only increase. After resuming from an older "
-                    "checkpoint, delete the newer steps (lazyckpt gc / delete()) or use new tiers."
-                )
+            mine = step in self._written
+            pending = self._pending.get(step)
+        if mine:
             # the same global step again (save_last next to a top-k file): same state, one step
-            self._track(path, step, self._pending.get(step))
+            self._track(path, step, pending)
             return
+        stored = ckpt.steps()
+        if step == self._resumed and step in stored:
+            # the state just restored from that step, saved again under another name
+            self._track(path, step, None)
+            return
+        stale = self._abandoned(step, stored)
         state = _encode_keys(checkpoint)
+        if stale:
+            self._retire(step, stale, path)
         try:
             handle = ckpt.snapshot(state, step=step)
         except LazyCkptError as exc:
@@ -324,7 +333,8 @@ class LazyCheckpointIO(_Bases):
         if handle.skipped:
             log.warning("lazyckpt: checkpoint %r skipped (pipeline busy, when_busy='skip')", path)
             return
-        self._newest = step
+        with self._lock:
+            self._written.add(step)
         if not (self._guarded and self._training):
             # no optimizer-step hook will wait for this capture (outside fit, or no
             # callback): wait for it here so the caller may change the tensors at once
@@ -341,6 +351,78 @@ class LazyCheckpointIO(_Bases):
         with self._lock:
             self._pending[step] = handle
         self._track(path, step, handle)
+
+    def _abandoned(self, step: int, stored: list[int]) -> list[int]:
+        """The stored steps that a save of ``step`` replaces: none if ``step`` is newer than
+        all; else the steps of another timeline from ``step`` on, and from the step resumed
+        from onwards (a rollback's whole abandoned future).
+
+        Raises:
+            ConfigurationError: this run already saved a step after ``step`` (the global
+                step went back within one run).
+        """
+        with self._lock:
+            later = sorted(s for s in self._written if s > step)
+        if later:
+            raise ConfigurationError(
+                f"global step {step} comes after step {later[-1]}, which this run already "
+                "saved; lazyckpt steps only increase within a run"
+            )
+        if not stored or step > stored[-1]:
+            return []
+        floor = step
+        if self._resumed is not None and self._resumed < step:
+            floor = self._resumed + 1
+        return [s for s in stored if s >= floor]
+
+    def _retire(self, step: int, stale: list[int], path: str) -> None:
+        """Delete the steps ``stale`` of another run, the newest first (each deletion lets
+        the checkpointer take that step number again), and the pointers naming them, so
+        that the save of ``step`` replaces them."""
+        resumed = self._resumed
+        log.warning(
+            "lazyckpt: the store holds step(s) %s from another run (this run resumed from "
+            "step %s); deleting them and the pointer files naming them, so that this run's "
+            "checkpoint %r (step %d) and later ones replace them, as Lightning overwrites "
+            "files of the same name",
+            stale, resumed if resumed is not None else "no lazyckpt step", path, step,
+        )
+        ckpt = self.checkpointer
+        gone = set(stale)
+        keep = resumed if resumed is not None and resumed in ckpt.steps() else None
+        with self._lock:
+            # first the pointers (a crash between leaves steps no path names, not paths
+            # naming nothing), under the lock the writer thread writes pointers under
+            directories = {os.path.dirname(p) for p in self._paths} | {os.path.dirname(path)}
+            for p in [p for p, s in self._paths.items() if s in gone]:
+                del self._paths[p]
+            for directory in sorted(directories):
+                self._drop_pointers(directory, gone, keep)
+        for s in sorted(stale, reverse=True):
+            with contextlib.suppress(SnapshotNotFoundError):  # already gone: retention
+                ckpt.delete(s)
+        self._resumed = None
+
+    @staticmethod
+    def _drop_pointers(directory: str, gone: set[int], keep: int | None) -> None:
+        """Remove the pointer files in ``directory`` that name a step in ``gone``; a
+        ``last*`` file is pointed at ``keep`` instead if given (what ``ckpt_path="last"``
+        resumes from until the new run's first save lands: the step it rolled back to)."""
+        where = directory or "."
+        fs = _filesystem(where)
+        if not fs.isdir(where):
+            return
+        for entry in fs.ls(where, detail=False):
+            try:
+                named = read_pointer(entry)
+            except (OSError, LazyCkptError):
+                continue
+            if named not in gone:
+                continue
+            if keep is not None and os.path.basename(entry).startswith("last"):
+                _write_pointer(entry, keep)
+            else:
+                fs.rm(entry)
 
     def _track(self, path: str, step: int, handle: SnapshotHandle | None) -> None:
         """Map ``path`` to ``step`` and write its pointer once the step is committed.
@@ -423,11 +505,14 @@ class LazyCheckpointIO(_Bases):
             ) from exc
         with self._lock:
             self._paths.setdefault(path, step)
-        if self._newest is not None and step < self._newest:
+            self._resumed = step
+        later = [s for s in self.checkpointer.steps() if s > step]
+        if later:
             log.warning(
-                "lazyckpt: resuming from step %d while the store holds up to step %d: saves "
-                "of steps up to %d will be refused (steps only increase) unless the newer "
-                "steps are deleted", step, self._newest, self._newest,
+                "lazyckpt: loading step %d while the store holds later steps %s: if training "
+                "resumes from it, the first save of a step up to %d deletes them (they belong "
+                "to the run being abandoned) and saves the new state",
+                step, later, later[-1],
             )
         if not isinstance(state, dict):
             raise SnapshotNotFoundError(f"step {step} ({path!r}) is not a Lightning checkpoint")
@@ -482,6 +567,11 @@ class LazyCheckpointIO(_Bases):
         save and its pointer. The tiers stay open for the next stage; :meth:`close` closes
         them."""
         self._drain()
+        if not self._guarded:
+            # no on_train_start tells a plugin alone where a run begins: the next save may
+            # be a new run's, so the steps in the store are no longer this run's own
+            with self._lock:
+                self._written = set()
 
     def _drain(self) -> None:
         while True:
@@ -554,6 +644,8 @@ class LazyCheckpointIO(_Bases):
         closure, as the hook does), which tells lazyckpt which tensors only an optimizer
         step changes: those are captured lazily, small others are copied at the save."""
         self._training = True
+        with self._lock:
+            self._written = set()  # a new run: the steps in the store are not its own yet
         if self._opened and not self._closed:
             for opt in trainer.optimizers:
                 self._guards.append(self._ckpt.guard(opt))

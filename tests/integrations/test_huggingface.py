@@ -15,6 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("accelerate", reason="accelerate is not installed")
 
+from transformers import TrainerCallback  # noqa: E402
+
 from lazyckpt import ConfigurationError, SyncCheckpointer  # noqa: E402
 from lazyckpt.integrations.huggingface import LazyCheckpointCallback  # noqa: E402
 from lazyckpt.testing import FaultyTier  # noqa: E402
@@ -30,8 +32,8 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(7)
+    def __init__(self, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, 64, (SAMPLES, 16), generator=g)
 
     def __len__(self) -> int:
@@ -52,7 +54,10 @@ def model(seed: int = 0) -> Any:
     return m
 
 
-def train(root: Path, m: Any, callbacks: list[Any], resume: str | None = None, **kw: Any) -> Any:
+def train(
+    root: Path, m: Any, callbacks: list[Any], resume: str | None = None, data_seed: int = 7,
+    **kw: Any,
+) -> Any:
     options: dict[str, Any] = {
         "output_dir": str(root / "out"),
         "per_device_train_batch_size": BATCH,
@@ -67,7 +72,9 @@ def train(root: Path, m: Any, callbacks: list[Any], resume: str | None = None, *
         "seed": 0,
     }
     args = transformers.TrainingArguments(**{**options, **kw})
-    trainer = transformers.Trainer(model=m, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    trainer = transformers.Trainer(
+        model=m, args=args, train_dataset=Tokens(data_seed), callbacks=callbacks
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -179,3 +186,113 @@ def test_resume_with_gradient_accumulation(tmp_path: Path) -> None:
         resumed = model(seed=5)
         train(tmp_path / "r", resumed, [cb], gradient_accumulation_steps=2, resume=cb.checkpoint_dir(2))
     assert resumed.losses == straight.losses[2 * 2 :]  # a loss per micro-batch
+
+
+class Recorder(TrainerCallback):
+    """The model's weights after each optimizer step, by global step (what a snapshot of
+    that step, taken before the next step's forward, holds)."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.states[state.global_step] = {
+            k: v.detach().clone() for k, v in kw["model"].state_dict().items()
+        }
+
+
+def stored_models(root: Path) -> dict[int, dict[str, torch.Tensor]]:
+    with SyncCheckpointer([FileTier(root / "store")]) as check:
+        return {s: check.restore(s)["model"] for s in check.steps()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_resume_from_an_earlier_step_replaces_the_abandoned_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a rollback: train to step 12, resume from step 4 with other data and learning rate
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        train(tmp_path, model(), [cb])
+    old = stored_models(tmp_path)
+    assert sorted(old) == [2, 4, 6, 8, 10, 12]
+
+    recorder = Recorder()
+    with (
+        caplog.at_level(logging.WARNING, logger="lazyckpt.integrations.huggingface"),
+        LazyCheckpointCallback(chain(tmp_path)) as cb,
+    ):
+        again = model(seed=3)
+        train(
+            tmp_path / "again", again, [cb, recorder], resume=cb.checkpoint_dir(4),
+            data_seed=8, learning_rate=3e-3,
+        )
+        assert cb.checkpointer.metrics()["snapshots_failed"] == 0
+    new = stored_models(tmp_path)
+    assert sorted(new) == [2, 4, 6, 8, 10, 12]
+    for step in (2, 4):  # the history both runs share is kept
+        assert same(new[step], old[step]), step
+    for step in (6, 8, 10, 12):  # every later step holds the second run's state
+        assert same(new[step], recorder.states[step]), step
+        assert not same(new[step], old[step]), step
+    assert same(new[12], {k: v.detach() for k, v in again.state_dict().items()})
+    assert "step(s) [6, 8, 10, 12] from another run" in caplog.text  # named, not silent
+
+    # the newest checkpoint is the second run's end, and step 10 continues the second run
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        folder = cb.checkpoint_dir()
+        assert folder is not None and folder.endswith("checkpoint-12")
+        resumed = model(seed=9)
+        train(
+            tmp_path / "third", resumed, [cb], resume=cb.checkpoint_dir(10),
+            data_seed=8, learning_rate=3e-3,
+        )
+        assert cb.checkpointer.steps() == [2, 4, 6, 8, 10, 12]
+    assert resumed.losses == again.losses[-2:]
+    assert same(resumed.state_dict(), again.state_dict())
+    assert same(stored_models(tmp_path)[12], recorder.states[12])  # a save of step 12 again:
+    # the state resumed from step 10 reproduces it, so the store is unchanged
+
+
+def test_a_new_run_on_tiers_with_another_runs_steps_replaces_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # no resume at all: a second run from step 0 on the same tiers, as the Trainer
+    # overwrites checkpoint-N folders of an output directory it reuses
+    with LazyCheckpointCallback(chain(tmp_path)) as cb:
+        train(tmp_path, model(), [cb], num_train_epochs=1)
+    old = stored_models(tmp_path)
+    recorder = Recorder()
+    with (
+        caplog.at_level(logging.WARNING, logger="lazyckpt.integrations.huggingface"),
+        LazyCheckpointCallback(chain(tmp_path)) as cb,
+    ):
+        train(tmp_path, model(seed=4), [cb, recorder], num_train_epochs=1, data_seed=8)
+    new = stored_models(tmp_path)
+    assert sorted(new) == sorted(old) == [2, 4]
+    for step in (2, 4):
+        assert same(new[step], recorder.states[step]) and not same(new[step], old[step])
+    assert "step(s) [2, 4] from another run" in caplog.text
+
+
+def test_the_same_step_saved_twice_in_a_run_is_saved_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.DEBUG, logger="lazyckpt.integrations.huggingface"),
+        LazyCheckpointCallback(chain(tmp_path)) as cb,
+    ):
+        t = train(tmp_path, model(), [cb], num_train_epochs=1)
+        taken = len(cb.checkpointer.metrics()["snapshots"])
+        cb._due = True  # the step's save decided again (a step's and the epoch's end)
+        cb.on_train_end(
+            t.args, t.state, t.control,
+            model=t.model, optimizer=t.optimizer, lr_scheduler=t.lr_scheduler,
+        )
+        assert len(cb.checkpointer.metrics()["snapshots"]) == taken
+        assert cb.checkpointer.steps() == [2, 4]
+    assert "already saved by this run" in caplog.text
+    assert "another run" not in caplog.text and "NOT saved" not in caplog.text

@@ -34,7 +34,7 @@ BATCHES = 4  # per epoch
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self, width: int = 8, lr: float = 0.05, seed: int = 0) -> None:
+    def __init__(self, width: int = 8, lr: float = 0.05, seed: int = 0, data_seed: int = 1) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
@@ -54,7 +54,7 @@ class Tiny(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader[Any]:
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator().manual_seed(self.hparams["data_seed"])
         x = torch.randn(BATCHES * 8, 4, generator=g)
         return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
 
@@ -131,7 +131,7 @@ def test_checkpoint_dict_round_trips(tmp_path: Path) -> None:
     expected = plain.load_checkpoint(root / "ckpts" / "last.ckpt")
 
     assert loaded.keys() == expected.keys()
-    assert loaded["hyper_parameters"] == {"width": 6, "lr": 0.1, "seed": 0}
+    assert loaded["hyper_parameters"] == {"width": 6, "lr": 0.1, "seed": 0, "data_seed": 1}
     assert loaded["global_step"] == BATCHES
     for key in ("loops", "lr_schedulers", "epoch", "hparams_name"):
         assert loaded[key] == expected[key], key
@@ -275,3 +275,125 @@ def test_keys_lazyckpt_would_refuse_round_trip(tmp_path: Path) -> None:
     assert back["by_path"][".."] == [1, (2, 3)]
     assert torch.equal(back["lazyckpt.items"]["x"], torch.zeros(1))
     assert torch.equal(back["ints"][0]["exp_avg"], torch.arange(3))
+
+
+class Recorder(pl.Callback):
+    """The module's weights at each epoch's end (what ModelCheckpoint saves then), by step."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.states[trainer.global_step] = weights(pl_module)
+
+
+def weights(module: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def stored_weights(root: Path) -> dict[int, dict[str, torch.Tensor]]:
+    with SyncCheckpointer([FileTier(root / "store")]) as check:
+        return {s: check.restore(s)["state_dict"] for s in check.steps()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_an_earlier_step_replaces_the_abandoned_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpts = tmp_path / "ckpts"
+    with LazyCheckpointIO(chain(tmp_path)) as io:
+        trainer(tmp_path, epochs=4, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(Tiny())
+    old = stored_weights(tmp_path)
+    assert sorted(old) == [4, 8, 12, 16]
+
+    # a rollback: resume from the top-k file of step 8 with other data and learning rate
+    recorder = Recorder()
+    again = Tiny(lr=0.02, seed=3, data_seed=2)
+    with (
+        caplog.at_level(logging.WARNING, logger="lazyckpt.integrations.lightning"),
+        LazyCheckpointIO(chain(tmp_path)) as io,
+    ):
+        t = trainer(tmp_path, epochs=4, plugins=[io], callbacks=[io, every_epoch(tmp_path), recorder])
+        t.fit(again, ckpt_path=str(ckpts / "epoch=1-step=8.ckpt"))
+        assert io.checkpointer.metrics()["snapshots_failed"] == 0
+    # Lightning names a top-k file whose name is taken '-v1' (epoch=2-step=12.ckpt still
+    # existed when it chose); the old file named a step of the abandoned run and is gone
+    assert {n: read_pointer(str(ckpts / n)) for n in os.listdir(ckpts)} == {
+        "epoch=0-step=4.ckpt": 4, "epoch=1-step=8.ckpt": 8, "epoch=2-step=12-v1.ckpt": 12,
+        "epoch=3-step=16.ckpt": 16, "last.ckpt": 16,
+    }
+    new = stored_weights(tmp_path)
+    assert sorted(new) == [4, 8, 12, 16]
+    for step in (4, 8):  # the history both runs share is kept
+        assert same(new[step], old[step]), step
+    for step in (12, 16):  # every later step holds the second run's state
+        assert same(new[step], recorder.states[step]), step
+        assert not same(new[step], old[step]), step
+    assert same(new[16], weights(again))
+    assert "step(s) [12, 16] from another run" in caplog.text  # named, not silent
+
+    # 'last' is the second run's end, and the top-k file of step 12 continues the second run
+    with LazyCheckpointIO(chain(tmp_path)) as io:
+        latest = Tiny(lr=0.02, seed=9, data_seed=2)
+        trainer(tmp_path, epochs=4, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(
+            latest, ckpt_path="last"
+        )
+        assert same(weights(latest), weights(again))
+        resumed = Tiny(lr=0.02, seed=9, data_seed=2)
+        trainer(tmp_path, epochs=4, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(
+            resumed, ckpt_path=str(ckpts / "epoch=2-step=12-v1.ckpt")
+        )
+    assert resumed.losses == again.losses[-BATCHES:]
+    assert same(weights(resumed), weights(again))
+    # its save of step 16 replaced the step with the same state, and 'last' names it
+    assert read_pointer(str(ckpts / "last.ckpt")) == 16
+    assert same(stored_weights(tmp_path)[16], weights(again))
+
+
+def test_pointers_to_abandoned_steps_go_before_the_new_save_lands(tmp_path: Path) -> None:
+    ckpts = tmp_path / "ckpts"
+    with LazyCheckpointIO(chain(tmp_path)) as io:  # the first run: steps 1, 2, 3
+        io._guarded = io._training = True  # as inside fit, with the callback
+        for step in (1, 2, 3):
+            checkpoint = {"global_step": step, "w": torch.full((3,), float(step))}
+            io.save_checkpoint(checkpoint, ckpts / f"step={step}.ckpt")
+            io.save_checkpoint(checkpoint, ckpts / "last.ckpt")
+        io.teardown()
+    slow = FaultyTier(FileTier(tmp_path / "store"))
+    with LazyCheckpointIO([HostMemoryTier(8 << 20), slow], deadline=None) as io:
+        io._guarded = io._training = True
+        assert io.load_checkpoint(ckpts / "step=1.ckpt")["global_step"] == 1  # the rollback
+        slow.hang("commit")
+        io.save_checkpoint({"global_step": 2, "w": torch.full((3,), -2.0)}, ckpts / "step=2.ckpt")
+        io.save_checkpoint({"global_step": 2, "w": torch.full((3,), -2.0)}, ckpts / "last.ckpt")
+        # until the new step 2 is durable: no path names the abandoned steps 2 and 3, and
+        # 'last' names the step resumed from
+        assert sorted(os.listdir(ckpts)) == ["last.ckpt", "step=1.ckpt"]
+        assert read_pointer(str(ckpts / "last.ckpt")) == 1
+        assert 3 not in io.checkpointer.steps()
+        slow.heal()
+        io.teardown()
+        assert {n: read_pointer(str(ckpts / n)) for n in os.listdir(ckpts)} == {
+            "step=1.ckpt": 1, "step=2.ckpt": 2, "last.ckpt": 2
+        }
+        assert torch.equal(io.load_checkpoint(ckpts / "last.ckpt")["w"], torch.full((3,), -2.0))
+        assert io.checkpointer.steps() == [1, 2]
+
+
+def test_a_step_going_back_within_a_run_is_refused_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.ERROR, logger="lazyckpt.integrations.lightning"),
+        LazyCheckpointIO(chain(tmp_path)) as io,
+    ):
+        io._guarded = io._training = True
+        io.save_checkpoint({"global_step": 5, "w": torch.ones(2)}, tmp_path / "a.ckpt")
+        io.save_checkpoint({"global_step": 3, "w": torch.zeros(2)}, tmp_path / "b.ckpt")
+        io.teardown()
+        assert io.checkpointer.steps() == [5]  # this run's own step 5 is not replaced
+    assert "comes after step 5, which this run already saved" in caplog.text
+    assert read_pointer(str(tmp_path / "a.ckpt")) == 5 and not (tmp_path / "b.ckpt").exists()
