@@ -65,7 +65,7 @@ class _StepOps:
         handed_over = False
         try:
             if needs_resharding(manifest, into, rank, world):
-                return await restore_resharded(
+                resharded = await restore_resharded(
                     manifest,
                     sources,
                     self.engine.tiers,
@@ -76,6 +76,8 @@ class _StepOps:
                     allow_pickle=self.options.allow_pickle,
                     checksum=checksum,
                 )
+                self.lazy.forget(into)
+                return resharded
             if deferred:
                 rest = await restore_lazily(
                     manifest,
@@ -91,7 +93,7 @@ class _StepOps:
                     self.lazy.start(step, rest, deferred.values(), lambda: self._unprotect(step))
                     handed_over = True  # the rest of the restore unprotects the step
                     return into
-            return await restore_state(
+            restored = await restore_state(
                 manifest,
                 sources,
                 into=into,
@@ -99,6 +101,8 @@ class _StepOps:
                 allow_pickle=self.options.allow_pickle,
                 checksum=checksum,
             )
+            self.lazy.forget(into)  # a failed lazy restore into these optimizers is over
+            return restored
         finally:
             if not handed_over:
                 self._unprotect(manifest.step)

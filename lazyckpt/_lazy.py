@@ -14,7 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,6 +68,31 @@ class LazyRestores:
         pending = [f for f in self._restoring.values() if not f.done()]
         if pending:
             concurrent.futures.wait(pending)
+
+    def raise_failed(self) -> None:
+        """Raise the error of a lazy restore that failed, if one did (any thread but the
+        engine's). Its optimizers' state is then partly the snapshot's and partly what was
+        there before (damaged bytes included, when a checksum caught them after they
+        landed), so a snapshot of it would commit that as a valid step. It stays so until
+        a restore loads those optimizers whole (:meth:`forget`)."""
+        for done in self._restoring.values():
+            if done.done() and not done.cancelled() and done.exception() is not None:
+                raise cast(BaseException, done.exception())
+
+    def forget(self, into: Any) -> None:
+        """A restore loaded ``into`` whole: a failed lazy restore of its optimizers (its
+        top-level entries, as :meth:`targets` finds them) is over; their guard and
+        ``snapshot()`` no longer raise its error."""
+        if not isinstance(into, Mapping) or not self._restoring:
+            return
+        for value in into.values():
+            try:
+                opt = unwrap_optimizer(value)
+            except ConfigurationError:
+                continue
+            done = self._restoring.get(id(opt))
+            if done is not None and done.done():
+                del self._restoring[id(opt)]
 
     async def settle(self) -> None:
         """Wait (engine loop) for the lazy restores still loading."""

@@ -170,6 +170,33 @@ def test_a_failed_lazy_restore_raises_from_the_guarded_step(tmp_path: Path) -> N
         broken.heal()
 
 
+def test_a_failed_lazy_restore_refuses_snapshots_until_a_restore_loads_the_state(
+    tmp_path: Path,
+) -> None:
+    """The state a failed lazy restore left half loaded is never snapshotted as a valid
+    step: ``snapshot()`` raises the restore's error, as the guarded step does, until a
+    restore loads the optimizer whole; then both work again."""
+    checkpoint(tmp_path)
+    broken = GatedTier(FileTier(tmp_path))
+    model, optim = make(seed=1)
+    state = {"model": model, "optim": optim, "step": 0}
+    with SyncCheckpointer([broken], shard_size=SHARD) as ckpt:
+        ckpt.guard(optim)
+        ckpt.restore(into=state, lazy=True)
+        broken.break_("read_shard")
+        broken.gate.set()
+        with pytest.raises(CorruptionError, match="no tier holds a good copy"):
+            ckpt.snapshot(state, step=4)
+        with pytest.raises(CorruptionError):  # and again: it is no passing failure
+            ckpt.snapshot(state, step=4)
+        assert ckpt.steps() == [3]
+        broken.heal()
+        ckpt.restore(into=state)  # eager, whole
+        train(model, optim, 4)  # the guard lets the step run again
+        ckpt.snapshot(state, step=4).wait()
+        assert ckpt.steps() == [3, 4]
+
+
 def test_lazy_without_a_guarded_optimizer_is_eager(tmp_path: Path) -> None:
     checkpoint(tmp_path)
     gated = GatedTier(FileTier(tmp_path))
