@@ -105,9 +105,9 @@ class _Lifecycle:
         # yet are listed too: the report hands every failure it lists over, so the failure
         # policy does not raise them again at the next snapshot()
         for error in engine.take_unreported():
-            step = getattr(error, "step", None)
-            if isinstance(step, int) and step >= 0:
-                failed.setdefault(step, tuple(getattr(error, "tiers", ())))
+            failed_step = getattr(error, "step", None)
+            if isinstance(failed_step, int) and failed_step >= 0:
+                failed.setdefault(failed_step, tuple(getattr(error, "tiers", ())))
         failed = dict(sorted(failed.items()))
         durable: dict[str, int | None] = {}
         for tier in engine.durable:
