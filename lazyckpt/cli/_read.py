@@ -11,7 +11,7 @@ from types import TracebackType
 
 from .._errors import ConfigurationError, CorruptionError
 from .._fetch import read_copy
-from .._manifest import Manifest, ShardMeta
+from .._manifest import Manifest, ShardMeta, TensorMeta
 from .._tier import SupportsRankManifests, Tier
 
 
@@ -178,3 +178,23 @@ async def step_parts(tier: Tier, step: int, first: Manifest | None = None) -> li
             )
         parts.append(part)
     return parts
+
+
+def tensor_bytes(parts: Sequence[Manifest]) -> int:
+    """Bytes of tensor data a step holds over all its ranks' parts: each rank's own, a
+    tensor several ranks share counted once (its ``replica`` entries hold no bytes)."""
+    return sum(
+        t.nbytes for m in parts for t in m.tensors if t.alias_of is None and t.mode != "replica"
+    )
+
+
+def layout_of(meta: TensorMeta) -> str:
+    """How a distributed tensor was laid out over the ranks, for a person: ``shard(0)``,
+    ``replicate``; empty for a tensor each rank saved as its own."""
+    return ",".join(meta.placements) if meta.placements else ""
+
+
+def global_shape(meta: TensorMeta) -> tuple[int, ...]:
+    """The shape of the whole tensor: the global one of a distributed tensor (a rank's
+    manifest holds its chunk), else the tensor's own."""
+    return meta.global_shape if meta.global_shape is not None else meta.shape
