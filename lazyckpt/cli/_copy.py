@@ -114,7 +114,7 @@ async def _copy_step(
     except BaseException:
         if world > 1 and written:
             # the parts already written are not committed: no reader sees them, and the
-            # next writer's open removes them; removed here where the tier allows it
+            # next writer's open would remove them; removed here already
             with contextlib.suppress(Exception):
                 await asyncio.shield(_forget(dst, step))
         raise
@@ -130,11 +130,10 @@ async def _copy_step(
 
 
 async def _forget(dst: Location, step: int) -> None:
-    """Remove what a failed copy of a step of several ranks wrote (best effort)."""
-    if step in await dst.tier.steps():
-        await delete_step(dst.tier, step)
-    else:
-        await dst.tier.abort(step)
+    """Remove what a failed copy of a step of several ranks wrote (best effort): ``abort``
+    removes only the part of the rank the tier serves, ``delete`` the whole step (the
+    built-in tiers remove an uncommitted one too)."""
+    await delete_step(dst.tier, step)
 
 
 def _same_location(a: str, b: str) -> bool:
