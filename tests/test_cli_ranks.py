@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from conftest_s3 import S3Location, s3, s3_server
 
 import lazyckpt
 from lazyckpt import ConfigurationError, Manifest
@@ -30,6 +31,8 @@ from tiers import FileTier, HostMemoryTier, ZarrTier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers.ranks import launch_ranks
+
+__all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 
 DTENSOR_WORKER = Path(__file__).parent / "helpers" / "dtensor_worker.py"
 WORLD = 2
@@ -154,6 +157,27 @@ def test_copy_moves_every_rank_and_the_commit_record(
     code, out, _ = run("verify", spec)
     assert code == EXIT_OK
     assert f"({WORLD} ranks," in out
+
+
+def test_copy_to_s3_moves_every_rank(
+    two_ranks: Path, run: Any, s3: S3Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = s3.server.tier_options()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_REGION", options["region"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    code, out, _ = run("copy", two_ranks, s3.url, "--step", "3", "-q")
+    assert code == EXIT_OK, out
+    keys = s3.keys()
+    for rank in range(WORLD):
+        assert f"{s3.prefix}/step-000000000003/rank-{rank:05d}/zarr.json" in keys
+    got = parts_of(ZarrTier(s3.url, readonly=True, **options), 3)
+    want = parts_of(FileTier(two_ranks, readonly=True), 3)
+    assert [data for _, data in got] == [data for _, data in want]
+    code, out, _ = run("verify", s3.url, "-q")
+    assert (code, out.split("(")[0]) == (EXIT_OK, "step 3: ok ")
 
 
 def test_copy_refuses_a_destination_that_cannot_hold_several_ranks(
