@@ -192,7 +192,7 @@ def test_copy_refuses_a_destination_that_cannot_hold_several_ranks(
         dst = Location("host", "host", host)
         args = argparse.Namespace(jobs=2, no_readback=False)
         try:
-            with pytest.raises(ConfigurationError, match="written by 2 ranks.*commit_global"):
+            with pytest.raises(ConfigurationError, match=r"written by 2 ranks.*commit_global"):
                 await _copy_step(src, dst, 2, Console(quiet=True), args)
             return await host.steps()
         finally:
