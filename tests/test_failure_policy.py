@@ -133,6 +133,30 @@ async def test_on_failure_raise_raises_from_the_next_snapshot_never_from_the_ste
     assert run.optimizer_steps == STEPS
 
 
+async def test_drain_lists_every_unseen_failure_and_hands_it_over(tmp_path: Path) -> None:
+    """``drain()``'s report lists the failures of snapshots that ended before it as well as
+    of those it waited for; with ``on_failure="raise"`` the next ``snapshot()`` does not
+    raise them again, since the report delivered them."""
+    broken = FaultyTier(FileTier(tmp_path / "file"), name="file")
+    broken.break_("commit")
+    state = {"w": torch.randn(100, 100)}
+    async with lazyckpt.Checkpointer(
+        [HostMemoryTier(8 << 20), broken], on_failure="raise", **SMALL
+    ) as ckpt:
+        engine = ckpt._core.engine
+        await ckpt.snapshot(state, step=1)
+        await asyncio.wrap_future(engine.loop.submit(engine.drain()))  # step 1 ended, unseen
+        report = await ckpt.drain()
+        assert report.failed == {1: ("file",)}
+        await ckpt.snapshot(state, step=2)  # step 1's failure was handed over: no raise
+        await ckpt.snapshot(state, step=3)
+        report = await ckpt.drain()
+        assert report.failed == {2: ("file",), 3: ("file",)}
+        broken.heal()
+        await (await ckpt.snapshot(state, step=4)).committed()
+        assert await ckpt.steps() == [4]
+
+
 def test_on_failure_is_validated(tmp_path: Path) -> None:
     with pytest.raises(lazyckpt.ConfigurationError, match="on_failure"):
         lazyckpt.Checkpointer([FileTier(tmp_path)], on_failure="ignore")
