@@ -225,7 +225,7 @@ def test_ls_lists_committed_snapshots(snapshots: Any, run: Run) -> None:
     code, out, _ = run("ls", root)
     assert code == EXIT_OK
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "SIZE", "TENSORS", "CREATED", "TIERS"]
+    assert lines[0].split() == ["STEP", "SIZE", "TENSORS", "RANKS", "CREATED", "TIERS"]
     assert [line.split()[0] for line in lines[1:]] == [str(s) for s in STEPS]
     assert all(line.rstrip().endswith("file") for line in lines[1:])
 
@@ -647,11 +647,18 @@ def test_copy_never_spreads_damage(snapshots: Any, run: Run, tmp_path: Path) -> 
     m = manifest_of(root, 5)
     flip_byte(data_file(root, 5), m.shards[-1].offset)
     dst = tmp_path / "dst"
-    code, _, err = run("copy", root, dst, "--step", "5", "--step", "10")
+    code, out, err = run("copy", root, dst, "--step", "0", "--step", "5", "--step", "10")
     assert code == EXIT_DAMAGE
     assert f"shard {m.shards[-1].index}" in err
-    assert "nothing was copied" in err
-    assert sorted(dst.glob("step-*")) == []  # the partial step was aborted
+    # the damaged step is named and skipped; the intact ones after it are still copied
+    assert "step 5: NOT copied" in err
+    assert "1 of 3 steps were not copied" in err and ": 5 (copied: 0, 10)" in err
+    assert [line.split(":")[0] for line in out.splitlines()] == ["step 0", "step 10"]
+    assert [p.name for p in sorted(dst.glob("step-*"))] == [
+        "step-000000000000",
+        "step-000000000010",
+    ]  # the partial step was aborted
+    assert run("verify", dst, "--all", "-q")[0] == EXIT_OK
 
 
 def test_copy_unknown_step(snapshots: Any, run: Run, tmp_path: Path) -> None:

@@ -1,10 +1,14 @@
 """``lazyckpt export``: stream a snapshot into a safetensors file or a ``torch.save`` file,
-shard by shard, without holding the whole state in memory."""
+shard by shard, without holding the whole state in memory.
+
+A step written by several ranks is exported as one process restores it: each distributed
+tensor whole, at its global shape, assembled in memory from every rank's part."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -18,9 +22,10 @@ from typing import Any
 
 import torch
 
+from .._dtensor import restore_resharded
 from .._errors import CorruptionError
 from .._manifest import Manifest, TensorMeta
-from .._tree import StatefulValue, decode_tree
+from .._tree import StatefulValue, decode_tree, walk_state
 from ._console import Console
 from ._formats import SAFETENSORS_DTYPES, format_of
 from ._location import (
@@ -28,7 +33,7 @@ from ._location import (
     opened,
     pick_steps,
 )
-from ._read import ShardReader, damage_keys
+from ._read import ShardReader, damage_keys, global_shape, step_parts
 from ._status import (
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -212,12 +217,74 @@ def _safetensors_layout(
 
 
 async def _export_safetensors(
-    loc: Location, m: Manifest, names: dict[int, str], fd: int, ui: Console, jobs: int
+    loc: Location,
+    m: Manifest,
+    names: dict[int, str],
+    fd: int,
+    ui: Console,
+    jobs: int,
+    full: dict[int, torch.Tensor] | None = None,
 ) -> None:
     head, placements, size = _safetensors_layout(m, names)
     await asyncio.to_thread(os.ftruncate, fd, size)
     await asyncio.to_thread(_write_pieces, fd, [(0, memoryview(head))])
-    await _stream_into(fd, loc, m, placements, ui, f"export step {m.step}", jobs)
+    if full is not None:
+        await asyncio.to_thread(_write_from_memory, fd, full, placements)
+    else:
+        await _stream_into(fd, loc, m, placements, ui, f"export step {m.step}", jobs)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
+
+
+def _write_from_memory(
+    fd: int, full: dict[int, torch.Tensor], placements: dict[int, _Placement]
+) -> None:
+    """Write assembled tensors where their bytes go, each placement's crc32 kept."""
+    for index, placement in placements.items():
+        data = _tensor_bytes(full[index])
+        _write_pieces(fd, [(offset, data) for offset in placement.offsets])
+        placement.crc = zlib.crc32(data)
+
+
+async def _assembled(
+    loc: Location, m: Manifest, allow_pickle: bool
+) -> tuple[Manifest, dict[int, torch.Tensor]]:
+    """A step written by several ranks as one process restores it (docs/distributed.md):
+    every distributed tensor whole, at its global shape, read from the ranks holding its
+    parts; a tensor each rank saved as its own is rank 0's. Returns ``m`` with the global
+    shapes, and each stored tensor by manifest index. Held in memory: the parts of a
+    global tensor lie in several ranks' streams, so they cannot go to the file in order."""
+    state = await restore_resharded(
+        m,
+        [loc.tier],
+        [loc.tier],
+        rank=0,
+        world_size=1,
+        into=None,
+        map_location="cpu",
+        allow_pickle=allow_pickle,
+    )
+    _, refs = walk_state(state, allow_pickle=False, lenient=True)
+    by_key = {ref.key: ref.tensor for ref in refs}
+    metas = []
+    full: dict[int, torch.Tensor] = {}
+    for i, meta in enumerate(m.tensors):
+        shape = global_shape(meta)
+        metas.append(dataclasses.replace(meta, shape=shape))
+        if meta.alias_of is not None:
+            continue
+        tensor = by_key.get(meta.key)
+        if tensor is None or tuple(tensor.shape) != shape:
+            raise CommandError(
+                f"step {m.step} was written by {m.world_size} ranks and {meta.key!r} could not "
+                "be assembled from their parts; restore it with a Checkpointer instead",
+                EXIT_USAGE,
+            )
+        full[i] = tensor
+    return dataclasses.replace(m, tensors=tuple(metas)), full
 
 
 def _plain(value: Any) -> Any:
@@ -323,6 +390,7 @@ async def _export_torch(
     ui: Console,
     jobs: int,
     strip: Sequence[str] = (),
+    full: dict[int, torch.Tensor] | None = None,
 ) -> None:
     if not hasattr(torch.serialization, "skip_data"):
         raise CommandError(
@@ -373,9 +441,12 @@ async def _export_torch(
         names[index] = name
     fd = os.open(tmp, os.O_WRONLY)
     try:
-        await _stream_into(
-            fd, loc, m, placements, ui, f"export step {m.step}", jobs, track_crc=True
-        )
+        if full is not None:
+            await asyncio.to_thread(_write_from_memory, fd, full, placements)
+        else:
+            await _stream_into(
+                fd, loc, m, placements, ui, f"export step {m.step}", jobs, track_crc=True
+            )
     finally:
         os.close(fd)
     crcs = {names[i]: (*records[names[i]], p.crc) for i, p in placements.items()}
@@ -403,6 +474,11 @@ async def export_command(args: argparse.Namespace, ui: Console) -> int:
     async with opened(args.location) as loc:
         (step,) = await pick_steps(loc, args.step)
         m = await loc.tier.read_manifest(step)
+        full = None
+        if m.world_size > 1:
+            # every rank's part, checked, before anything is assembled from them
+            await step_parts(loc.tier, step, m)
+            m, full = await _assembled(loc, m, args.allow_pickle)
         names = _selected(m, args.select)
         if args.select is not None and not names:
             raise CommandError(f"no tensor under {args.select!r} in step {step}", EXIT_NOT_FOUND)
@@ -412,12 +488,20 @@ async def export_command(args: argparse.Namespace, ui: Console) -> int:
             if fmt == "safetensors":
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    await _export_safetensors(loc, m, names, fd, ui, args.jobs)
+                    await _export_safetensors(loc, m, names, fd, ui, args.jobs, full)
                 finally:
                     os.close(fd)
             else:
                 await _export_torch(
-                    loc, m, args.select, args.allow_pickle, tmp, ui, args.jobs, args.strip_prefix
+                    loc,
+                    m,
+                    args.select,
+                    args.allow_pickle,
+                    tmp,
+                    ui,
+                    args.jobs,
+                    args.strip_prefix,
+                    full,
                 )
             await asyncio.to_thread(_fsync_replace, tmp, final)
         finally:

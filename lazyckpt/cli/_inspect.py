@@ -6,16 +6,18 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import CorruptionError, LazyCkptError, first_error
-from .._manifest import Manifest
+from .._manifest import Manifest, TensorMeta
 from .._progress import Progress, format_bytes
 from .._tree import JSON, decode_tree
 from .._tree_values import has_tag
 from ._console import Console, iso_time, local_time, table
 from ._location import opened, pick_steps
+from ._read import global_shape, layout_of, step_parts, tensor_bytes
 from ._status import EXIT_DAMAGE, EXIT_OK
 
 # manifests ``ls`` reads at once
@@ -48,15 +50,18 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
             async with sem:
                 for i in found[step]:
                     try:
-                        m = await locations[i].tier.read_manifest(step)
+                        # every rank's part of a step several ranks wrote: its size is theirs
+                        parts = await step_parts(locations[i].tier, step)
                     except CorruptionError as exc:
                         problems.append(f"{labels[i]}: {exc}")
                         continue
+                    m = parts[0]
                     entry.update(
-                        bytes=m.tensor_bytes,
-                        stored_bytes=m.stream_bytes,
+                        bytes=tensor_bytes(parts),
+                        stored_bytes=sum(p.stream_bytes for p in parts),
                         tensors=len(m.tensors),
-                        shards=len(m.shards),
+                        shards=sum(len(p.shards) for p in parts),
+                        world_size=m.world_size,
                         created=iso_time(m.created),
                         created_unix=m.created,
                     )
@@ -80,7 +85,7 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
     elif not listing:
         ui.note(f"no committed snapshot in {', '.join(args.locations)}")
     else:
-        rows = [["STEP", "SIZE", "TENSORS", "CREATED", "TIERS"]]
+        rows = [["STEP", "SIZE", "TENSORS", "RANKS", "CREATED", "TIERS"]]
         for e in listing:
             if "bytes" in e:
                 rows.append(
@@ -88,13 +93,16 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
                         str(e["step"]),
                         format_bytes(e["bytes"]),
                         str(e["tensors"]),
+                        str(e["world_size"]),
                         local_time(e["created_unix"]),
                         ", ".join(e["tiers"]),
                     ]
                 )
             else:
-                rows.append([str(e["step"]), "?", "?", "manifest damaged", ", ".join(e["tiers"])])
-        for line in table(rows, right=(0, 1, 2)):
+                rows.append(
+                    [str(e["step"]), "?", "?", "?", "manifest damaged", ", ".join(e["tiers"])]
+                )
+        for line in table(rows, right=(0, 1, 2, 3)):
             ui.out(line)
         for e in listing:
             for problem in e.get("problems", []):
@@ -160,11 +168,14 @@ def _render_nodes(root: _Node, manifest: Manifest) -> list[list[str]]:
         indent = "  " * depth
         if node.tensor is not None:
             meta = manifest.tensors[node.tensor]
+            shape = global_shape(meta)
             if meta.alias_of is not None:
                 size = f"= {manifest.tensors[meta.alias_of].key}"
             else:
-                size = format_bytes(meta.nbytes)
-            rows.append([indent + node.name, meta.dtype, str(list(meta.shape)), size])
+                size = format_bytes(math.prod(shape) * meta.itemsize)
+            layout = layout_of(meta)
+            shown = f"{list(shape)} {layout}" if layout else str(list(shape))
+            rows.append([indent + node.name, meta.dtype, shown, size])
         elif node.value is not None:
             rows.append([indent + node.name, f"= {node.value}"])
         else:
@@ -177,35 +188,49 @@ def _render_nodes(root: _Node, manifest: Manifest) -> list[list[str]]:
     return rows
 
 
+def _tensor_doc(m: Manifest, t: TensorMeta) -> dict[str, Any]:
+    shape = global_shape(t)
+    doc: dict[str, Any] = {
+        "key": t.key,
+        "dtype": t.dtype,
+        "shape": list(shape),
+        "bytes": math.prod(shape) * t.itemsize,
+        "same_as": None if t.alias_of is None else m.tensors[t.alias_of].key,
+    }
+    if t.placements is not None:
+        # a distributed tensor: the whole tensor above; how the ranks split it here
+        doc.update(placements=list(t.placements), rank0_shape=list(t.shape))
+    return doc
+
+
 async def inspect_command(args: argparse.Namespace, ui: Console) -> int:
-    """``lazyckpt inspect``: the tree of keys of one step, with tensor sizes and values."""
+    """``lazyckpt inspect``: the tree of keys of one step, with tensor sizes and values.
+
+    For a step written by several ranks the keys are rank 0's, a distributed tensor is shown
+    with its global shape and size, and the totals count every rank's part."""
     async with opened(args.location) as loc:
         (step,) = await pick_steps(loc, args.step)
-        m = await loc.tier.read_manifest(step)
+        parts = await step_parts(loc.tier, step)
+    m = parts[0]
+    total = tensor_bytes(parts)
+    shards = sum(len(p.shards) for p in parts)
     if args.json:
         doc = {
             "step": m.step,
             "created": iso_time(m.created),
-            "bytes": m.tensor_bytes,
-            "shards": len(m.shards),
-            "tensors": [
-                {
-                    "key": t.key,
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "bytes": t.nbytes,
-                    "same_as": None if t.alias_of is None else m.tensors[t.alias_of].key,
-                }
-                for t in m.tensors
-            ],
+            "world_size": m.world_size,
+            "bytes": total,
+            "shards": shards,
+            "tensors": [_tensor_doc(m, t) for t in m.tensors],
             "tree": m.tree,
         }
         ui.out(json.dumps(doc, indent=2))
         return EXIT_OK
     stored = sum(1 for t in m.tensors if t.alias_of is None)
+    ranks = f", written by {m.world_size} ranks" if m.world_size > 1 else ""
     ui.out(
         f"step {m.step} in {loc}: {len(m.tensors)} tensors ({stored} stored), "
-        f"{format_bytes(m.tensor_bytes)} in {len(m.shards)} shards, created {local_time(m.created)}"
+        f"{format_bytes(total)} in {shards} shards{ranks}, created {local_time(m.created)}"
     )
     rows = _render_nodes(_build_nodes(m.tree, ""), m)
     if rows:

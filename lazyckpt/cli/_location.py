@@ -204,8 +204,9 @@ async def pick_steps(location: Location, step: int | None, *, every: bool = Fals
     if step is None:
         return [newest]
     if step not in steps:
-        near = ", ".join(map(str, steps[-5:]))
+        shown = ", ".join(map(str, steps[-5:]))
+        which = f"the newest 5 of {len(steps)}" if len(steps) > 5 else "committed steps"
         raise CommandError(
-            f"{location}: step {step} is not committed (latest: {near})", EXIT_NOT_FOUND
+            f"{location}: step {step} is not committed ({which}: {shown})", EXIT_NOT_FOUND
         )
     return [step]

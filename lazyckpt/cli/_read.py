@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from .._errors import CorruptionError
+from .._errors import ConfigurationError, CorruptionError
 from .._fetch import read_copy
-from .._manifest import Manifest, ShardMeta
-from .._tier import Tier
+from .._manifest import Manifest, ShardMeta, TensorMeta
+from .._tier import SupportsRankManifests, Tier
 
 
 @dataclass
@@ -133,3 +133,68 @@ def damage_keys(manifest: Manifest, shard: ShardMeta) -> list[str]:
         t.key for t in manifest.tensors for seg in shard.segments if t.alias_of == seg.tensor
     )
     return sorted(keys)
+
+
+def rank_label(manifest: Manifest) -> str:
+    """``"rank R "`` for a part of a step several ranks wrote, else nothing (for messages)."""
+    return f"rank {manifest.rank} " if manifest.world_size > 1 else ""
+
+
+async def step_parts(tier: Tier, step: int, first: Manifest | None = None) -> list[Manifest]:
+    """Every rank's manifest of a committed step, rank 0's first; one for a step a single
+    process wrote. ``first`` is rank 0's, when already read.
+
+    A command opens a location as rank 0 of 1, so ``read_manifest`` gives rank 0's part
+    only: the other ranks' parts are read through ``read_rank_manifest``.
+
+    Raises:
+        ConfigurationError: the step was written by several ranks and the tier cannot read
+            another rank's part (it lacks ``read_rank_manifest``).
+        CorruptionError: a rank's manifest is missing or unreadable (the rank is named).
+    """
+    if first is None:
+        first = await tier.read_manifest(step)
+    world = first.world_size
+    if world == 1:
+        return [first]
+    if not isinstance(tier, SupportsRankManifests):
+        raise ConfigurationError(
+            f"step {step} on {tier.name!r} was written by {world} ranks, and this tier cannot "
+            "read the other ranks' parts (no read_rank_manifest): only rank 0's could be "
+            "reached, so the command is refused rather than work on part of the step"
+        )
+    parts = [first]
+    for rank in range(1, world):
+        try:
+            part = await tier.read_rank_manifest(step, rank)
+        except CorruptionError as exc:
+            raise CorruptionError(
+                f"step {step}: the manifest of rank {rank} of {world} cannot be read: {exc}"
+            ) from exc
+        if part.world_size != world or part.rank != rank:
+            raise CorruptionError(
+                f"step {step}: rank {rank}'s manifest says rank {part.rank} of "
+                f"{part.world_size}, but rank 0's says {world} ranks"
+            )
+        parts.append(part)
+    return parts
+
+
+def tensor_bytes(parts: Sequence[Manifest]) -> int:
+    """Bytes of tensor data a step holds over all its ranks' parts: each rank's own, a
+    tensor several ranks share counted once (its ``replica`` entries hold no bytes)."""
+    return sum(
+        t.nbytes for m in parts for t in m.tensors if t.alias_of is None and t.mode != "replica"
+    )
+
+
+def layout_of(meta: TensorMeta) -> str:
+    """How a distributed tensor was laid out over the ranks, for a person: ``shard(0)``,
+    ``replicate``; empty for a tensor each rank saved as its own."""
+    return ",".join(meta.placements) if meta.placements else ""
+
+
+def global_shape(meta: TensorMeta) -> tuple[int, ...]:
+    """The shape of the whole tensor: the global one of a distributed tensor (a rank's
+    manifest holds its chunk), else the tensor's own."""
+    return meta.global_shape if meta.global_shape is not None else meta.shape

@@ -104,9 +104,10 @@ async def put_all(
             async for read in reader:
                 if read.error is not None or read.data is None:
                     keys = ", ".join(damage_keys(manifest, read.shard))
+                    who = f", rank {manifest.rank}" if manifest.world_size > 1 else ""
                     raise CorruptionError(
-                        f"{reader.tier.name}: step {manifest.step}, shard {read.shard.index} "
-                        f"({keys}): {read.error}; nothing was copied"
+                        f"{reader.tier.name}: step {manifest.step}{who}, shard {read.shard.index} "
+                        f"({keys}): {read.error}; the step was not copied"
                     )
                 await write.put(read.shard, read.data)
                 crcs[read.shard.index] = read.shard.crc32c or 0
