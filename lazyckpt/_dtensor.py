@@ -58,7 +58,7 @@ from ._errors import (
 )
 from ._fetch import Checksum, byte_view, committed_steps, read_verified, thread_checksum
 from ._manifest import Manifest, TensorMeta
-from ._restore import align_into, apply_into, read_manifest
+from ._restore import align_into, apply_into, check_optimizers, read_manifest
 from ._tier import SupportsRankManifests, Tier
 from ._tree import Stateful, TensorRef, decode_tree, walk_state
 
@@ -298,7 +298,10 @@ async def restore_resharded(
     ``checksum`` computes each shard's crc32c (the Checkpointer's checksum pool)."""
     if base.pickled and not allow_pickle:
         decode_tree(base.tree, [None] * len(base.tensors), allow_pickle=False)
-    align_into(base, into, rename=False)  # the keys are checked before anything is read
+    # the keys, and the optimizers' groups and state shapes (global shapes: a DTensor's
+    # entry gives its global shape, as a DTensor parameter's .shape is), are checked
+    # before anything is read
+    check_optimizers(align_into(base, into, rename=False), into)
     device = torch.device(map_location) if map_location is not None else None
     targets = _targets(into)
     wanted: list[_Wanted | None] = []

@@ -113,6 +113,10 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, key: str) -> N
     torch's ``load_state_dict`` refuses only after the rest of ``into=`` was loaded), or,
     for torch's own optimizers, a state tensor whose shape is not its parameter's (which
     ``load_state_dict`` accepts and the next ``step()`` fails on, or silently broadcasts).
+    The snapshot's state is matched to ``opt``'s parameters as ``load_state_dict`` matches
+    it: through the ids the snapshot's ``param_groups`` list, group by group and in order,
+    whatever those ids are (indices from torch's ``state_dict``, parameter names from
+    ``get_optimizer_state_dict``).
 
     Only an optimizer that keeps torch's own ``state_dict``/``load_state_dict`` is
     checked: one that overrides them (torchtitan's ``OptimizersContainer``, wrappers that
@@ -146,41 +150,54 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, key: str) -> N
             missing=[],
             unexpected=[],
         )
-    params = [p for g in opt.param_groups for p in g["params"]]
     want = [len(g["params"]) for g in opt.param_groups]
     if sizes != want:
-        saved_n, want_n = sum(sizes), len(params)
+        saved_n, want_n = sum(sizes), sum(want)
+        saved_ids = [i for g in groups for i in g["params"]]
         raise StateMismatchError(
             f"restore(into=...): the {what} has {want_n} parameters in {len(want)} "
             f"group(s) of sizes {want}, the snapshot's {saved_n} in {len(sizes)} of sizes "
             f"{sizes}; nothing was loaded. {fix}",
             key=key,
-            # the parameters by their index in the state dict, as torch numbers them
+            # the target's parameters by their position, as torch numbers them; the
+            # snapshot's by the ids its param_groups give them
             missing=list(range(saved_n, want_n)),
-            unexpected=list(range(want_n, saved_n)),
+            unexpected=saved_ids[want_n:],
         )
     if type(opt) not in _SAME_SHAPE_STATE:
         return
-    for index, entry in state.items():
-        if not isinstance(index, int) or not 0 <= index < len(params):
+    # as torch's load_state_dict maps them: the j-th id in the snapshot's group i is the
+    # j-th parameter of the target's group i, whatever the ids are (indices as torch's
+    # state_dict gives them, parameter names as get_optimizer_state_dict gives them)
+    by_id: dict[Any, torch.Tensor] = {}
+    for saved_group, group in zip(groups, opt.param_groups, strict=True):
+        for saved_id, param in zip(saved_group["params"], group["params"], strict=True):
+            try:
+                by_id[saved_id] = param
+            except TypeError:  # an id torch could not map either: left to load_state_dict
+                return
+    for saved_id, entry in state.items():
+        param = by_id.get(saved_id)
+        if param is None:
             raise StateMismatchError(
                 f"restore(into=...): the snapshot's state of the {what} is for parameter "
-                f"{index!r}, which its {len(params)} parameters do not have. {fix}",
+                f"{saved_id!r}, which the snapshot's param_groups do not list (they list "
+                f"{_abbrev(list(by_id))}); nothing was loaded. {fix}",
                 key=key,
                 missing=[],
-                unexpected=[index],
+                unexpected=[saved_id],
             )
         if not isinstance(entry, Mapping):
             continue
-        param_shape = tuple(params[index].shape)
+        param_shape = tuple(param.shape)
         for name, value in entry.items():
             shape = _shape_of(value)
             if shape is not None and shape and shape != param_shape:
                 raise StateMismatchError(
-                    f"restore(into=...): the snapshot's {name!r} of parameter {index} of the "
-                    f"{what} has shape {list(shape)}, the parameter {list(param_shape)}; "
-                    f"nothing was loaded. {fix}",
-                    key=f"{key}/state/{index}/{name}",
+                    f"restore(into=...): the snapshot's {name!r} of parameter {saved_id!r} "
+                    f"of the {what} has shape {list(shape)}, the parameter "
+                    f"{list(param_shape)}; nothing was loaded. {fix}",
+                    key=f"{key}/state/{saved_id}/{name}",
                     missing=[],
                     unexpected=[],
                 )
@@ -211,3 +228,9 @@ def _shape_of(value: Any) -> tuple[int, ...] | None:
     if shape is None:
         return None
     return tuple(int(n) for n in shape)
+
+
+def _abbrev(ids: list[Any]) -> str:
+    """``ids`` for a message: the first few and how many more."""
+    shown = ", ".join(repr(i) for i in ids[:6])
+    return f"[{shown}, ... {len(ids) - 6} more]" if len(ids) > 6 else f"[{shown}]"
