@@ -27,8 +27,9 @@ How Lightning's calls map onto lazyckpt:
   replaces the other run's later steps, as Lightning overwrites a file of the same name.
   The steps after the one resumed from (or from the saved step on) are deleted, with a
   WARNING naming them; pointer files naming them are removed (a ``last*`` file is pointed
-  at the step resumed from instead), then the new state is saved. No path ever names a
-  step of the abandoned run after it.
+  at the step resumed from instead), then the new state is saved. Resumed through this
+  plugin, no path names a step of the abandoned run after that save; resumed from a plain
+  ``.ckpt`` (or not resumed), the other run's steps before it stay, with their pointers.
 - As a callback, ``on_before_optimizer_step`` (after backward, before the update) waits for
   pending captures, so the copy overlaps the next forward and backward passes. Without the
   callback the plugin still saves correctly, but each save waits for its capture.
