@@ -144,7 +144,7 @@ class _Core(_StepOps, _Lifecycle):
             )
         self.report_failures()
         self.lazy.wait_blocking()  # a snapshot must not see half-loaded optimizer state
-        self.lazy.raise_failed()  # nor state a failed lazy restore left half loaded
+        self.lazy.raise_failed(state)  # nor state a failed lazy restore left half loaded
         with collector_paused():  # a few objects per tensor, none cyclic: see _gc.py
             columns = Columns()
             tree, refs = walk_state(

@@ -103,11 +103,10 @@ class _Lifecycle:
                 pending[step] = left
         # the failures of snapshots that ended before this drain and that nobody has seen
         # yet are listed too: the report hands every failure it lists over, so the failure
-        # policy does not raise them again at the next snapshot()
-        for error in engine.take_unreported():
-            failed_step = getattr(error, "step", None)
-            if isinstance(failed_step, int) and failed_step >= 0:
-                failed.setdefault(failed_step, tuple(getattr(error, "tiers", ())))
+        # policy does not raise them again at the next snapshot(); a failure that belongs to
+        # no snapshot (a retention pass's) is left to the policy
+        for failed_step, error in engine.take_unreported_steps():  # others stay queued
+            failed.setdefault(failed_step, tuple(getattr(error, "tiers", ())))
         failed = dict(sorted(failed.items()))
         durable: dict[str, int | None] = {}
         for tier in engine.durable:
@@ -203,12 +202,10 @@ class _Lifecycle:
         )
 
     def _in_flight(self) -> list[int]:
-        """The steps in flight, from any thread: those the engine runs, and those submitted
-        that its loop has not started yet (still capturing)."""
-        steps = {f.step for f in self.engine.pending_captures()}
-        with contextlib.suppress(RuntimeError):  # the engine thread changed it meanwhile
-            steps.update(list(self.engine.flights))
-        return sorted(steps)
+        """The steps in flight, from any thread, taking no lock (see
+        :meth:`Engine.steps_in_flight`): those the engine runs, and those submitted that its
+        loop has not started yet (still capturing)."""
+        return self.engine.steps_in_flight()
 
     def _dropped_closed(self, close: concurrent.futures.Future[None]) -> None:
         """The close of a dropped Checkpointer is done (engine thread, usually): stop the

@@ -22,6 +22,7 @@ from ._lazy import LazyRestores
 from ._optimizers import hook_installed
 from ._options import CheckpointerOptions
 from ._restore import VerifyReport, committed_steps, restore_lazily, restore_state, verify_step
+from ._tree import TensorRef
 
 __all__ = ["_StepOps"]
 
@@ -37,6 +38,7 @@ class _StepOps:
     lazy: LazyRestores
     _guards: list[tuple[torch.optim.Optimizer, Any]]
     _last_step: int | None
+    _watched: list[TensorRef]
 
     async def restore_on_engine(
         self,
@@ -50,6 +52,9 @@ class _StepOps:
         if type(lazy) is not bool:
             raise ConfigurationError(f"lazy must be True or False, got {lazy!r}")
         deferred = self.lazy.targets(into, self._guarded()) if lazy else {}
+        # a restore writes tensors in place: the versions the last snapshot recorded for
+        # the tensors watched until the guard's wait mean nothing any more (_core._changing)
+        self._watched = []
         await self.lazy.settle()  # one restore at a time into the same optimizers
         if step is None and self.engine.coordinator is not None:
             agreed = await self.steps_on_engine()  # all ranks restore the same step

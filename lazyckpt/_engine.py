@@ -261,6 +261,14 @@ class Engine(_Flows, _Commits, _Records):
             errors, self._unreported = self._unreported, []
         return errors
 
+    def take_unreported_steps(self) -> list[tuple[int, LazyCkptError]]:
+        """The unreported failures of snapshots (those with a step), taken, with their
+        steps; the others (a retention pass's, say) stay for the failure policy."""
+        with self._lock:
+            steps = [(_step_of(e), e) for e in self._unreported]
+            self._unreported = [e for step, e in steps if step is None]
+        return [(step, e) for step, e in steps if step is not None]
+
     def raise_unreported(self) -> None:
         errors = self.take_unreported()
         if len(errors) == 1:
@@ -276,6 +284,14 @@ class Engine(_Flows, _Commits, _Records):
             self._unreported = [e for e in self._unreported if getattr(e, "step", None) != flight.step]
 
     # -- submitting (any thread) -----------------------------------------------------------
+
+    def steps_in_flight(self) -> list[int]:
+        """The steps submitted and not finished, read without taking any lock: a finalizer
+        may call it on a thread that holds ``_lock`` (the collector runs anywhere)."""
+        steps = {f.step for f in list(self._pending_captures) if not f.captured.done()}
+        with contextlib.suppress(RuntimeError):  # the engine thread changed it meanwhile
+            steps.update(list(self.flights))
+        return sorted(steps)
 
     def pending_captures(self) -> list[Flight]:
         with self._lock:
@@ -468,3 +484,9 @@ def _default_capture(options: CheckpointerOptions) -> CaptureBackend:
     if torch.cuda.is_available():
         return CudaCapture(cpu_threads=options.capture_threads)
     return CpuCapture(options.capture_threads)
+
+
+def _step_of(error: LazyCkptError) -> int | None:
+    """The step a failure belongs to, None for one that is no snapshot's."""
+    step = getattr(error, "step", None)
+    return step if isinstance(step, int) and step >= 0 else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, cast
 
@@ -32,6 +33,8 @@ class LazyRestores:
     def __init__(self) -> None:
         # per guarded optimizer (by id) the future of its state's restore
         self._restoring: dict[int, concurrent.futures.Future[None]] = {}
+        # the optimizer each of those ids was taken from: an id can be reused once it dies
+        self._owners: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # engine loop: the loads still running
 
     @staticmethod
@@ -69,14 +72,30 @@ class LazyRestores:
         if pending:
             concurrent.futures.wait(pending)
 
-    def raise_failed(self) -> None:
-        """Raise the error of a lazy restore that failed, if one did (any thread but the
-        engine's). Its optimizers' state is then partly the snapshot's and partly what was
-        there before (damaged bytes included, when a checksum caught them after they
-        landed), so a snapshot of it would commit that as a valid step. It stays so until
-        a restore loads those optimizers whole (:meth:`forget`)."""
-        for done in self._restoring.values():
-            if done.done() and not done.cancelled() and done.exception() is not None:
+    def raise_failed(self, state: Any) -> None:
+        """Raise the error of a lazy restore that failed into an optimizer among
+        ``state``'s top-level entries, if one did (any thread but the engine's). That
+        optimizer's state is then partly the snapshot's and partly what was there before
+        (damaged bytes included, when a checksum caught them after they landed), so a
+        snapshot of it would commit that as a valid step. It stays so until a restore
+        loads that optimizer whole (:meth:`forget`); a snapshot without it (a new
+        optimizer built instead) is not refused."""
+        if not self._restoring or not isinstance(state, Mapping):
+            return
+        for value in state.values():
+            try:
+                opt = unwrap_optimizer(value)
+            except ConfigurationError:
+                continue
+            done = self._restoring.get(id(opt))
+            if (
+                done is not None
+                and self._owners.get(id(opt)) is not None
+                and self._owners[id(opt)]() is opt
+                and done.done()
+                and not done.cancelled()
+                and done.exception() is not None
+            ):
                 raise cast(BaseException, done.exception())
 
     def forget(self, into: Any) -> None:
@@ -113,6 +132,7 @@ class LazyRestores:
         optimizers = list(optimizers)
         for opt in optimizers:
             self._restoring[id(opt)] = done
+            self._owners[id(opt)] = weakref.ref(opt)
 
         async def run() -> None:
             try:

@@ -202,3 +202,41 @@ def test_a_checkpointer_dropped_idle_stops_its_thread_quietly(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     assert "lazyckpt-engine" not in done.stdout
     assert not [n for n in NOISE if n in done.stderr], done.stderr
+
+
+COLLECTED_UNDER_THE_ENGINE_LOCK = """
+import faulthandler, gc, warnings
+import torch, lazyckpt
+from tiers import FileTier
+warnings.simplefilter("ignore", ResourceWarning)
+faulthandler.dump_traceback_later(30, exit=True)  # a deadlock ends the child, with stacks
+
+class Trainer:  # holds its Checkpointer in a reference cycle, as trainers often do
+    def __init__(self):
+        self.me = self
+        self.ckpt = lazyckpt.SyncCheckpointer([FileTier("store")]).open()
+
+trainer = Trainer()
+trainer.ckpt.snapshot({"w": torch.randn(256, 256)}, step=1)
+engine = trainer.ckpt._core.engine
+gc.disable()
+del trainer  # garbage now, collected by the next pass of the cyclic collector
+with engine._lock:  # a pass can start on any thread that allocates, this lock held or not
+    gc.collect()
+print("collected", flush=True)
+"""
+
+
+def test_the_dropped_checkpointers_finalizer_takes_no_engine_lock(tmp_path: Path) -> None:
+    """The finalizer of a Checkpointer dropped open runs wherever the cyclic collector
+    runs, also on a thread holding the engine's lock: it must not take that lock."""
+    out = run(COLLECTED_UNDER_THE_ENGINE_LOCK, tmp_path, timeout=90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "collected" in out.stdout
+    with_step = run(
+        "import lazyckpt\nfrom tiers import FileTier\n"
+        "with lazyckpt.SyncCheckpointer([FileTier('store', readonly=True)]) as c:\n"
+        "    print(c.steps())\n",
+        tmp_path,
+    )
+    assert with_step.stdout.strip() == "[1]", with_step.stderr[-2000:]

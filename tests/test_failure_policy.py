@@ -157,6 +157,36 @@ async def test_drain_lists_every_unseen_failure_and_hands_it_over(tmp_path: Path
         assert await ckpt.steps() == [4]
 
 
+async def test_drain_leaves_a_failure_of_no_step_to_the_policy(tmp_path: Path) -> None:
+    """A retention pass's failure belongs to no snapshot: ``drain()`` does not list it, so it
+    stays for the failure policy (the next ``snapshot()`` raises it with "raise")."""
+    from lazyckpt import hooks
+
+    def refuse(name: str) -> None:
+        if name == "retention.before_delete":
+            raise OSError("disk says no")
+
+    state = {"w": torch.randn(64, 64)}
+    hooks.set_hook(refuse)
+    try:
+        async with lazyckpt.Checkpointer(
+            [HostMemoryTier(8 << 20), FileTier(tmp_path / "file", keep_last=1)],
+            on_failure="raise", **SMALL,
+        ) as ckpt:
+            await (await ckpt.snapshot(state, step=1)).committed()
+            await (await ckpt.snapshot(state, step=2)).committed()
+            for _ in range(200):  # the retention pass after step 2 runs and fails
+                if ckpt._core.engine._unreported:
+                    break
+                await asyncio.sleep(0.01)
+            report = await ckpt.drain()
+            assert report.failed == {}
+            with pytest.raises(lazyckpt.TierError, match="disk says no"):
+                await ckpt.snapshot(state, step=3)
+    finally:
+        hooks.set_hook(None)
+
+
 def test_on_failure_is_validated(tmp_path: Path) -> None:
     with pytest.raises(lazyckpt.ConfigurationError, match="on_failure"):
         lazyckpt.Checkpointer([FileTier(tmp_path)], on_failure="ignore")

@@ -167,6 +167,29 @@ async def test_a_large_buffer_seen_changing_is_copied_at_snapshot_from_then_on(
     assert not any("frozen" in m for m in warned)
 
 
+async def test_a_restore_before_the_step_marks_nothing_as_changing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restore with ``into=`` between a ``snapshot()`` and the optimizer step writes the
+    frozen weight in place: that is no write racing the capture, and it must not make the
+    weight be copied at every later snapshot."""
+    model = WithFrozen()
+    opt = torch.optim.SGD(model.lin.parameters(), lr=0.1)
+    caplog.set_level("WARNING", logger="lazyckpt")
+    async with lazyckpt.Checkpointer(chain(tmp_path), **SMALL) as ckpt:
+        ckpt.guard(opt)
+        await (await ckpt.snapshot({"model": model}, step=1)).committed()
+        await ckpt.restore(step=1, into={"model": model})
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        assert ckpt._core._changes_seen == set()  # the restore ended that watch
+        await (await ckpt.snapshot({"model": model}, step=2)).committed()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        assert ckpt._core._changes_seen == {"model/ema"}  # watched again; changed in forward
+    assert not any("'model/frozen'" in r.getMessage() for r in caplog.records)
+
+
 def refs_of(state: dict[str, Any]) -> list[Any]:
     return walk_state(state, allow_pickle=False)[1]
 

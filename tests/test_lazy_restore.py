@@ -197,6 +197,29 @@ def test_a_failed_lazy_restore_refuses_snapshots_until_a_restore_loads_the_state
         assert ckpt.steps() == [3, 4]
 
 
+def test_a_new_optimizer_after_a_failed_lazy_restore_snapshots(tmp_path: Path) -> None:
+    """The other way out of a failed lazy restore: a new optimizer, restored eagerly and
+    guarded. Its snapshots are not refused for the old optimizer's failed restore."""
+    checkpoint(tmp_path)
+    broken = GatedTier(FileTier(tmp_path))
+    model, optim = make(seed=1)
+    with SyncCheckpointer([broken], shard_size=SHARD) as ckpt:
+        ckpt.guard(optim)
+        ckpt.restore(into={"model": model, "optim": optim, "step": 0}, lazy=True)
+        broken.break_("read_shard")
+        broken.gate.set()
+        with pytest.raises(CorruptionError):
+            ckpt.snapshot({"model": model, "optim": optim, "step": 0}, step=4)
+        broken.heal()
+        fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = {"model": model, "optim": fresh, "step": 0}
+        ckpt.restore(into=state)
+        ckpt.guard(fresh)
+        train(model, fresh, 4)
+        ckpt.snapshot(state, step=4).wait()
+        assert ckpt.steps() == [3, 4]
+
+
 def test_lazy_without_a_guarded_optimizer_is_eager(tmp_path: Path) -> None:
     checkpoint(tmp_path)
     gated = GatedTier(FileTier(tmp_path))

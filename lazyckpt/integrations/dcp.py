@@ -177,6 +177,9 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
 
     def __init__(self, checkpointer: AnyCheckpointer, *, step: int | None = None) -> None:
         self._core = _core_of(checkpointer)
+        # the facade too: a Checkpointer its owner dropped open is closed when the facade is
+        # collected, and a writer still using it is an owner
+        self._checkpointer = checkpointer
         self._fixed_step = None if step is None else _step_of(step)
         self._step: int | None = None  # this save's, from its checkpoint_id
         self._handle: SnapshotHandle | None = None
@@ -344,6 +347,7 @@ class LazyStorageReader(StorageReader):
 
     def __init__(self, checkpointer: AnyCheckpointer, *, step: int | None = None) -> None:
         self._core = _core_of(checkpointer)
+        self._checkpointer = checkpointer  # an owner too (see LazyStorageWriter)
         self._fixed_step = None if step is None else _step_of(step)
         self._step: int | None = None  # this load's, from its checkpoint_id
         self._manifest: Manifest | None = None

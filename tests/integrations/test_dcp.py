@@ -164,6 +164,24 @@ def test_sync_save_and_load_round_trip_bit_for_bit(ckpt: SyncCheckpointer) -> No
     assert_same(load_into_fresh(ckpt, "3"), frozen(state))
 
 
+def test_a_writer_keeps_the_checkpointer_it_was_given_open(tmp_path: Path) -> None:
+    """A helper that opens a Checkpointer and returns only the DCP writer: the writer is an
+    owner, so the Checkpointer is not closed as dropped when the helper's frame goes."""
+    import gc
+
+    def make_writer() -> LazyStorageWriter:
+        ckpt = SyncCheckpointer([HostMemoryTier(8 << 20), FileTier(tmp_path)]).open()
+        return LazyStorageWriter(ckpt)
+
+    writer = make_writer()
+    gc.collect()
+    model, opt = trained()
+    save(dcp_state(model, opt), checkpoint_id="3", storage_writer=writer)
+    with SyncCheckpointer([FileTier(tmp_path, readonly=True)]) as reader:
+        assert reader.steps() == [3]
+    writer._checkpointer.close()
+
+
 def test_a_dcp_save_is_an_ordinary_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "ckpt"
     model, opt = trained()
