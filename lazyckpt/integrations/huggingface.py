@@ -59,6 +59,7 @@ import torch
 from .._checkpointer import SnapshotHandle, SyncCheckpointer
 from .._errors import ConfigurationError, LazyCkptError, SnapshotNotFoundError
 from .._tier import Tier
+from ._rollback import abandoned_steps
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -390,26 +391,8 @@ class LazyCheckpointCallback(TrainerCallback):
         self._handles.append(handle)
 
     def _abandoned(self, step: int, stored: list[int]) -> list[int]:
-        """The stored steps that a save of ``step`` replaces: none if ``step`` is newer than
-        all; else the steps of another timeline from ``step`` on, and from the step resumed
-        from onwards (a rollback's whole abandoned future).
-
-        Raises:
-            ConfigurationError: this run already saved a step after ``step`` (the global
-                step went back within one run).
-        """
-        later = sorted(s for s in self._written if s > step)
-        if later:
-            raise ConfigurationError(
-                f"global step {step} comes after step {later[-1]}, which this run already "
-                "saved; lazyckpt steps only increase within a run"
-            )
-        if not stored or step > stored[-1]:
-            return []
-        floor = step
-        if self._resumed is not None and self._resumed < step:
-            floor = self._resumed + 1
-        return [s for s in stored if s >= floor]
+        """The stored steps a save of ``step`` replaces (:func:`abandoned_steps`)."""
+        return abandoned_steps(step, stored, self._written, self._resumed)
 
     def _retire(self, step: int, stale: list[int]) -> None:
         """Delete ``stale``, the newest first (each deletion lets the checkpointer take that
