@@ -4,7 +4,9 @@ in behind, each guarded step waits for its optimizer's state; bit for bit an eag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +157,12 @@ def test_snapshot_waits_for_a_lazy_restore(tmp_path: Path) -> None:
     assert torch.equal(saved["optim"]["state"][0]["exp_avg"], optim.state[next(model.parameters())]["exp_avg"])
 
 
-def test_a_failed_lazy_restore_raises_from_the_guarded_step(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def failed_lazy_restore(
+    tmp_path: Path,
+) -> Iterator[tuple[SyncCheckpointer, GatedTier, torch.nn.Module, torch.optim.Optimizer]]:
+    """A guarded optimizer whose lazy restore failed: every read of its state's shards
+    broken once the model is in place; healed on the way out."""
     checkpoint(tmp_path)
     broken = GatedTier(FileTier(tmp_path))
     model, optim = make(seed=1)
@@ -164,10 +171,17 @@ def test_a_failed_lazy_restore_raises_from_the_guarded_step(tmp_path: Path) -> N
         ckpt.restore(into={"model": model, "optim": optim, "step": 0}, lazy=True)
         broken.break_("read_shard")
         broken.gate.set()
+        try:
+            yield ckpt, broken, model, optim
+        finally:
+            broken.heal()
+
+
+def test_a_failed_lazy_restore_raises_from_the_guarded_step(tmp_path: Path) -> None:
+    with failed_lazy_restore(tmp_path) as (_, _, model, optim):
         with pytest.raises(CorruptionError, match="no tier holds a good copy"):
             train(model, optim, 4)
         assert not optim.state  # the update did not run on state that was not restored
-        broken.heal()
 
 
 def test_a_failed_lazy_restore_refuses_snapshots_until_a_restore_loads_the_state(
@@ -176,15 +190,8 @@ def test_a_failed_lazy_restore_refuses_snapshots_until_a_restore_loads_the_state
     """The state a failed lazy restore left half loaded is never snapshotted as a valid
     step: ``snapshot()`` raises the restore's error, as the guarded step does, until a
     restore loads the optimizer whole; then both work again."""
-    checkpoint(tmp_path)
-    broken = GatedTier(FileTier(tmp_path))
-    model, optim = make(seed=1)
-    state = {"model": model, "optim": optim, "step": 0}
-    with SyncCheckpointer([broken], shard_size=SHARD) as ckpt:
-        ckpt.guard(optim)
-        ckpt.restore(into=state, lazy=True)
-        broken.break_("read_shard")
-        broken.gate.set()
+    with failed_lazy_restore(tmp_path) as (ckpt, broken, model, optim):
+        state = {"model": model, "optim": optim, "step": 0}
         with pytest.raises(CorruptionError, match="no tier holds a good copy"):
             ckpt.snapshot(state, step=4)
         with pytest.raises(CorruptionError):  # and again: it is no passing failure
@@ -200,14 +207,7 @@ def test_a_failed_lazy_restore_refuses_snapshots_until_a_restore_loads_the_state
 def test_a_new_optimizer_after_a_failed_lazy_restore_snapshots(tmp_path: Path) -> None:
     """The other way out of a failed lazy restore: a new optimizer, restored eagerly and
     guarded. Its snapshots are not refused for the old optimizer's failed restore."""
-    checkpoint(tmp_path)
-    broken = GatedTier(FileTier(tmp_path))
-    model, optim = make(seed=1)
-    with SyncCheckpointer([broken], shard_size=SHARD) as ckpt:
-        ckpt.guard(optim)
-        ckpt.restore(into={"model": model, "optim": optim, "step": 0}, lazy=True)
-        broken.break_("read_shard")
-        broken.gate.set()
+    with failed_lazy_restore(tmp_path) as (ckpt, broken, model, optim):
         with pytest.raises(CorruptionError):
             ckpt.snapshot({"model": model, "optim": optim, "step": 0}, step=4)
         broken.heal()
