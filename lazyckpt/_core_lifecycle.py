@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ._engine import Engine
-from ._errors import ConfigurationError, SnapshotFailedError
+from ._errors import ConfigurationError, LazyCkptError, SnapshotFailedError
 from ._lazy import LazyRestores
 from ._options import CheckpointerOptions
 from ._preemption import DrainReport, PreemptionHandler
@@ -222,12 +222,7 @@ class _Lifecycle:
                     failed,
                 )
             if errors:
-                log.warning(
-                    "lazyckpt: a Checkpointer was dropped without being closed; %d "
-                    "snapshot(s) failed unseen: %s",
-                    len(errors),
-                    "; ".join(str(e) for e in errors[:3]),
-                )
+                _log_unseen("lazyckpt: a Checkpointer was dropped without being closed", errors)
         finally:
             _DROPPED.discard(self)
 
@@ -270,12 +265,7 @@ class _Lifecycle:
                 lost,
             )
         elif errors:
-            log.warning(
-                "a lazyckpt Checkpointer was not closed before exit; %d snapshot(s) failed "
-                "unseen: %s",
-                len(errors),
-                "; ".join(str(e) for e in errors[:3]),
-            )
+            _log_unseen("a lazyckpt Checkpointer was not closed before exit", errors)
         else:
             warnings.warn(
                 "a lazyckpt Checkpointer was not closed; it was closed at exit (every "
@@ -313,3 +303,13 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def _log_unseen(what: str, errors: list[LazyCkptError]) -> None:
+    """Log failures nobody is left to raise to (the first three of them)."""
+    log.warning(
+        "%s; %d snapshot(s) failed unseen: %s",
+        what,
+        len(errors),
+        "; ".join(str(e) for e in errors[:3]),
+    )

@@ -14,7 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -47,15 +47,7 @@ class LazyRestores:
                 f"optimizers, got {type(into).__qualname__}"
             )
         live = {id(opt) for opt in guarded}
-        found: dict[Any, torch.optim.Optimizer] = {}
-        for key, value in into.items():
-            try:
-                opt = unwrap_optimizer(value)
-            except ConfigurationError:
-                continue
-            if id(opt) in live:
-                found[key] = opt
-        return found
+        return {key: opt for key, opt in _optimizers_by_key(into) if id(opt) in live}
 
     def hold(self, optimizer: torch.optim.Optimizer) -> None:
         """Block until ``optimizer``'s state is loaded (any thread but the engine's); raise
@@ -80,18 +72,15 @@ class LazyRestores:
         snapshot of it would commit that as a valid step. It stays so until a restore
         loads that optimizer whole (:meth:`forget`); a snapshot without it (a new
         optimizer built instead) is not refused."""
-        if not self._restoring or not isinstance(state, Mapping):
+        if not self._restoring:
             return
-        for value in state.values():
-            try:
-                opt = unwrap_optimizer(value)
-            except ConfigurationError:
-                continue
+        for opt in _optimizers_in(state):
             done = self._restoring.get(id(opt))
+            owner = self._owners.get(id(opt))
             if (
                 done is not None
-                and self._owners.get(id(opt)) is not None
-                and self._owners[id(opt)]() is opt
+                and owner is not None
+                and owner() is opt
                 and done.done()
                 and not done.cancelled()
                 and done.exception() is not None
@@ -102,16 +91,16 @@ class LazyRestores:
         """A restore loaded ``into`` whole: a failed lazy restore of its optimizers (its
         top-level entries, as :meth:`targets` finds them) is over; their guard and
         ``snapshot()`` no longer raise its error."""
-        if not isinstance(into, Mapping) or not self._restoring:
+        if not self._restoring:
             return
-        for value in into.values():
-            try:
-                opt = unwrap_optimizer(value)
-            except ConfigurationError:
-                continue
+        for opt in _optimizers_in(into):
             done = self._restoring.get(id(opt))
             if done is not None and done.done():
-                del self._restoring[id(opt)]
+                self._drop(opt)
+
+    def _drop(self, opt: torch.optim.Optimizer) -> None:
+        del self._restoring[id(opt)]
+        self._owners.pop(id(opt), None)
 
     async def settle(self) -> None:
         """Wait (engine loop) for the lazy restores still loading."""
@@ -150,10 +139,26 @@ class LazyRestores:
                 done.set_result(None)
                 for opt in optimizers:  # loaded: nothing left for the guard to wait for
                     if self._restoring.get(id(opt)) is done:
-                        del self._restoring[id(opt)]
+                        self._drop(opt)
             finally:
                 finished()
 
         task = asyncio.get_running_loop().create_task(run(), name=f"lazyckpt-lazy-restore-{step}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _optimizers_by_key(entries: Any) -> Iterator[tuple[Any, torch.optim.Optimizer]]:
+    """The top-level entries of a mapping that are optimizers (or their wrappers), unwrapped,
+    with their keys; nothing for anything else."""
+    if not isinstance(entries, Mapping):
+        return
+    for key, value in entries.items():
+        try:
+            yield key, unwrap_optimizer(value)
+        except ConfigurationError:
+            continue
+
+
+def _optimizers_in(entries: Any) -> Iterator[torch.optim.Optimizer]:
+    return (opt for _, opt in _optimizers_by_key(entries))
