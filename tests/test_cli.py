@@ -9,13 +9,14 @@ import io
 import json
 import math
 import zipfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import safetensors.torch
 import torch
+from conftest import Run
 from conftest_s3 import S3Location, s3, s3_server
 
 from lazyckpt import Manifest, ShardMeta, SyncCheckpointer
@@ -28,7 +29,6 @@ from lazyckpt.cli import (
     EXIT_USAGE,
     CommandError,
     ShardReader,
-    main,
     resolve_location,
 )
 from lazyckpt.testing import build_snapshot
@@ -41,7 +41,6 @@ __all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 SMALL = {"shard_size": 64 << 10, "pack_bytes": 4 << 10}
 STEPS = (0, 5, 10)
 
-Run = Callable[..., tuple[int, str, str]]
 
 
 def random_bits(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -87,16 +86,6 @@ def snapshots(tmp_path: Path) -> tuple[Path, dict[int, dict[str, Any]]]:
             states[step] = make_state(step)
             ckpt.snapshot(states[step], step=step).wait()
     return root, states
-
-
-@pytest.fixture
-def run(capsys: pytest.CaptureFixture[str]) -> Run:
-    def invoke(*argv: str | Path) -> tuple[int, str, str]:
-        code = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return invoke
 
 
 def restore(root: Path, step: int | None = None) -> Any:

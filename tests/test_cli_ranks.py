@@ -22,7 +22,6 @@ from conftest_s3 import S3Location, s3, s3_server
 
 import lazyckpt
 from lazyckpt import ConfigurationError, Manifest
-from lazyckpt.cli import main
 from lazyckpt.cli._console import Console
 from lazyckpt.cli._location import Location, open_location
 from lazyckpt.cli._status import EXIT_DAMAGE, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
@@ -110,16 +109,6 @@ def flip_byte(path: Path, offset: int) -> None:
 
 def rank_data(root: Path, step: int, rank: int) -> Path:
     return root / f"step-{step:012d}" / f"rank-{rank:05d}.data"
-
-
-@pytest.fixture
-def run(capsys: pytest.CaptureFixture[str]) -> Any:
-    def invoke(*argv: str | Path) -> tuple[int, str, str]:
-        code = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return invoke
 
 
 @pytest.fixture
