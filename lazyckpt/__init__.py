@@ -15,6 +15,7 @@ from ._checkpointer import (
     SnapshotSkippedWarning,
     SyncCheckpointer,
 )
+from ._distributed.preemption import DrainReport
 from ._dtensor import Replicated
 from ._engine import SnapshotStats
 from ._errors import (
@@ -46,7 +47,6 @@ from ._metrics import (
     install_log_context,
 )
 from ._options import CheckpointerOptions
-from ._preemption import DrainReport
 from ._restore import VerifyReport, strip_prefix
 from ._state import ShardState, TierLevel
 from ._tier import (

@@ -11,6 +11,7 @@ import torch
 
 from ._core import _Core, captures_done, make_core
 from ._cuda import GuardMode
+from ._distributed.preemption import DrainReport
 from ._errors import (
     ConfigurationError,
     SnapshotInFlightError,
@@ -20,7 +21,6 @@ from ._errors import (
 from ._handle import SnapshotHandle
 from ._optimizers import unwrap_optimizer
 from ._options import CheckpointerOptions
-from ._preemption import DrainReport
 from ._restore import VerifyReport
 from ._tier import Tier
 

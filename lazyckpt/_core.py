@@ -25,6 +25,7 @@ from ._capture import EagerPolicy, VerifyingCapture, copy_eager, optimizer_point
 from ._core_lifecycle import _Lifecycle
 from ._core_steps import _StepOps
 from ._cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
+from ._distributed.preemption import PreemptionHandler
 from ._dtensor import SupportsRankManifests, assign_writers
 from ._engine import Engine, Flight
 from ._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
@@ -34,7 +35,6 @@ from ._lazy import LazyRestores
 from ._manifest import Manifest, plan_layout
 from ._optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
 from ._options import CheckpointerOptions
-from ._preemption import PreemptionHandler
 from ._tier import Tier
 from ._tree import Columns, KeyCache, TensorRef, walk_state
 

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
+from ._distributed.preemption import DrainReport, PreemptionHandler
 from ._engine import Engine
 from ._errors import ConfigurationError, LazyCkptError, SnapshotFailedError
 from ._lazy import LazyRestores
 from ._options import CheckpointerOptions
-from ._preemption import DrainReport, PreemptionHandler
 
 __all__ = ["_Lifecycle"]
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ._dist import (
+from ._distributed.chunks import (
     DistInfo,
     ReplicatedMarker,
     _chunk,

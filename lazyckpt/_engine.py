@@ -47,7 +47,8 @@ import torch
 from ._arena import Block, HostArena
 from ._capture import CaptureBackend, ChecksumPool, CpuCapture
 from ._cuda import CudaCapture
-from ._distributed import Coordinator, distributed_context
+from ._distributed.coordinator import Coordinator, distributed_context
+from ._distributed.placement import join_peers
 from ._engine_commit import _Commits
 from ._engine_flows import _BATCH_BYTES as _BATCH_BYTES
 from ._engine_flows import _Flows
@@ -64,7 +65,6 @@ from ._incremental import Increments
 from ._loop import EngineLoop
 from ._manifest import LayoutOptions, Manifest
 from ._options import CheckpointerOptions
-from ._replica import join_peers
 from ._state import StateTable, build_table
 from ._tier import SupportsStaging, Tier
 from ._tiercall import RetryPolicy, call_tier

@@ -15,7 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 from . import hooks
-from ._distributed import Coordinator
+from ._distributed.coordinator import Coordinator
 from ._errors import ConfigurationError, LazyCkptError, TierBrokenError
 from ._flight import Flight
 from ._incremental import Increments

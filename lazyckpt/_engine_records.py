@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._arena import Block, HostArena
-from ._distributed import Coordinator
+from ._distributed.coordinator import Coordinator
 from ._errors import LazyCkptError, SnapshotFailedError, TierBrokenError
 from ._flight import Flight, SnapshotStats
 from ._incremental import Increments

@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import numpy as np
 import torch
 
-from ._dist import DistInfo, ReplicatedMarker, local_chunk, replicated_info
+from ._distributed.chunks import DistInfo, ReplicatedMarker, local_chunk, replicated_info
 from ._errors import UnsupportedStateError
 from ._tree_values import (
     _ARRAY_KINDS,

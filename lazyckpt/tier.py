@@ -38,6 +38,13 @@ from __future__ import annotations
 
 from ._arena import Block, HostArena
 from ._crc import crc32c_combine
+from ._distributed.placement import (
+    NODE_ENV,
+    Exchange,
+    SupportsRendezvous,
+    node_identity,
+    place_replicas,
+)
 from ._errors import (
     ConfigurationError,
     CorruptionError,
@@ -51,7 +58,6 @@ from ._errors import (
     TierFullError,
 )
 from ._manifest import FORMAT_VERSION, Manifest, Segment, ShardMeta, TensorMeta
-from ._replica import NODE_ENV, Exchange, SupportsRendezvous, node_identity, place_replicas
 from ._state import TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,

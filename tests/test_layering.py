@@ -49,14 +49,14 @@ def test_public_names_are_exported() -> None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc", "_crc"),
     (
-        "_dist", "_tree_values", "_tree", "_manifest_entries", "_manifest_columns", "_manifest",
-        "_options", "_state", "_arena", "_metrics", "_distributed",
+        "_distributed", "_tree_values", "_tree", "_manifest_entries", "_manifest_columns", "_manifest",
+        "_options", "_state", "_arena", "_metrics",
     ),
-    ("_tier", "tier", "_replica"),
+    ("_tier", "tier"),
     (
         "_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_incremental", "_capture",
         "_cuda", "_restore_into", "_restore_keys", "_verify_step", "_restore", "_dtensor",
-        "_engine_flows", "_engine_commit", "_engine_records", "_engine", "_preemption",
+        "_engine_flows", "_engine_commit", "_engine_records", "_engine",
     ),
     ("", "_handle", "_core_steps", "_core_lifecycle", "_core", "_checkpointer", "timeline"),
     (

@@ -19,7 +19,7 @@ from typing import Any
 import crc32c
 import torch
 
-from ._errors import UnsupportedStateError
+from .._errors import UnsupportedStateError
 
 __all__ = [
     "DistInfo",

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ._errors import ConfigurationError, CoordinationError, DeadlineExceededError
+from .._errors import ConfigurationError, CoordinationError, DeadlineExceededError
 
 __all__ = ["CoordinationError", "Coordinator", "distributed_context"]
 

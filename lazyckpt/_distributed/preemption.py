@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from ._errors import ConfigurationError
+from .._errors import ConfigurationError
 
 __all__ = ["DrainReport", "PreemptionHandler"]
 
