@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from lazyckpt import LayoutOptions
-from lazyckpt._manifest import plan_layout
-from lazyckpt._tree import walk_state
+from lazyckpt._format.manifest import plan_layout
+from lazyckpt._format.walk import walk_state
 from tiers import FileTier
 
 TENSORS_PER_RANK = 200  # a manifest of the size a real model's shard has (200 entries)

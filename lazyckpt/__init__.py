@@ -38,7 +38,15 @@ from ._errors import (
     TierFullError,
     UnsupportedStateError,
 )
-from ._manifest import FORMAT_VERSION, LayoutOptions, Manifest, Segment, ShardMeta, TensorMeta
+from ._format.manifest import (
+    FORMAT_VERSION,
+    LayoutOptions,
+    Manifest,
+    Segment,
+    ShardMeta,
+    TensorMeta,
+)
+from ._format.walk import Stateful
 from ._metrics import (
     LOG_FORMAT,
     StepTierAdapter,
@@ -58,7 +66,6 @@ from ._tier import (
     load_tier,
     translate_os_error,
 )
-from ._tree import Stateful
 
 __version__ = "0.1.0"
 

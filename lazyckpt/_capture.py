@@ -39,9 +39,9 @@ import torch
 
 from ._arena import Block
 from ._errors import ConfigurationError, ImmutabilityViolationError
-from ._manifest import Manifest, Segment, ShardMeta
+from ._format.manifest import Manifest, Segment, ShardMeta
+from ._format.walk import TensorRef
 from ._options import CheckpointerOptions, compile_patterns
-from ._tree import TensorRef
 
 __all__ = [
     "BatchCapture",

@@ -29,14 +29,14 @@ from ._distributed.preemption import PreemptionHandler
 from ._dtensor import SupportsRankManifests, assign_writers
 from ._engine import Engine, Flight
 from ._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
+from ._format.manifest import Manifest, plan_layout
+from ._format.walk import Columns, KeyCache, TensorRef, walk_state
 from ._gc import collector_paused
 from ._handle import SnapshotHandle
 from ._lazy import LazyRestores
-from ._manifest import Manifest, plan_layout
 from ._optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
 from ._options import CheckpointerOptions
 from ._tier import Tier
-from ._tree import Columns, KeyCache, TensorRef, walk_state
 
 __all__ = ["_Core", "captures_done", "make_core"]
 

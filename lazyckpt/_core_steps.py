@@ -18,11 +18,11 @@ from ._errors import (
     SnapshotInFlightError,
     SnapshotNotFoundError,
 )
+from ._format.walk import TensorRef
 from ._lazy import LazyRestores
 from ._optimizers import hook_installed
 from ._options import CheckpointerOptions
 from ._restore import VerifyReport, committed_steps, restore_lazily, restore_state, verify_step
-from ._tree import TensorRef
 
 __all__ = ["_StepOps"]
 

@@ -57,10 +57,10 @@ from ._errors import (
     first_error,
 )
 from ._fetch import Checksum, byte_view, committed_steps, read_verified, thread_checksum
-from ._manifest import Manifest, TensorMeta
+from ._format.manifest import Manifest, TensorMeta
+from ._format.walk import Stateful, TensorRef, decode_tree, walk_state
 from ._restore import align_into, apply_into, check_optimizers, read_manifest
 from ._tier import SupportsRankManifests, Tier
-from ._tree import Stateful, TensorRef, decode_tree, walk_state
 
 __all__ = [
     "DistInfo",

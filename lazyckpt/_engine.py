@@ -61,9 +61,9 @@ from ._errors import (
     TierFullError,
 )
 from ._flight import Flight, SnapshotStats, Stage
+from ._format.manifest import LayoutOptions, Manifest
 from ._incremental import Increments
 from ._loop import EngineLoop
-from ._manifest import LayoutOptions, Manifest
 from ._options import CheckpointerOptions
 from ._state import StateTable, build_table
 from ._tier import SupportsStaging, Tier

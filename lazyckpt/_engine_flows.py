@@ -19,8 +19,8 @@ from ._arena import Block, HostArena
 from ._capture import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
 from ._fetch import read_copy
 from ._flight import Flight
+from ._format.manifest import LayoutOptions, ShardMeta
 from ._incremental import Increments
-from ._manifest import LayoutOptions, ShardMeta
 from ._state import Event, StateTable, advance
 from ._tier import SupportsBatchPut, SupportsStaging, Tier, puts_batches
 

@@ -27,7 +27,7 @@ import torch
 
 from ._arena import Block
 from ._errors import CorruptionError, SnapshotNotFoundError, TierError
-from ._manifest import Manifest, ShardMeta
+from ._format.manifest import Manifest, ShardMeta
 from ._state import RestoreEvent, RestoreState, advance_restore
 from ._tier import SupportsBlockRead, SupportsChecksummedRead, Tier, reads_checksummed
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from ._arena import Block
-from ._manifest import Manifest
+from ._format.manifest import Manifest
+from ._format.walk import TensorRef
 from ._state import ShardState
 from ._tier import Tier
-from ._tree import TensorRef
 
 __all__ = ["Flight", "SnapshotStats", "Stage"]
 

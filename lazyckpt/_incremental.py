@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from ._flight import Flight, Stage
-from ._manifest import Manifest, ShardMeta
+from ._format.manifest import Manifest, ShardMeta
+from ._format.walk import TensorRef
 from ._tier import SupportsReferences
-from ._tree import TensorRef
 
 __all__ = ["Increments"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ._errors import ConfigurationError
-from ._manifest import SHARD_ALIGN, LayoutOptions
+from ._format.manifest import SHARD_ALIGN, LayoutOptions
 
 __all__ = ["CheckpointerOptions", "compile_patterns"]
 

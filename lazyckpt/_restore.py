@@ -52,13 +52,13 @@ from ._fetch import (
     read_verified,
     thread_checksum,
 )
+from ._format.manifest import Manifest, ShardMeta, TensorMeta
+from ._format.walk import JSON, _escape, decode_tree, walk_state
 from ._gc import collector_paused
-from ._manifest import Manifest, ShardMeta, TensorMeta
 from ._optimizers import check_optimizer_state
 from ._restore_into import _join, _mismatch, _stateful, apply_into
 from ._restore_keys import WRAPPER_PREFIXES, _items, _key_of, align_into, strip_prefix
 from ._tier import SupportsChecksummedRead, Tier
-from ._tree import JSON, _escape, decode_tree, walk_state
 from ._verify_step import VerifyReport, verify_step
 
 __all__ = [

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ._errors import ConfigurationError, LazyCkptError, StateMismatchError
-from ._tree import DataclassValue, Stateful, StatefulValue
+from ._format.walk import DataclassValue, Stateful, StatefulValue
 
 __all__ = ["apply_into"]
 

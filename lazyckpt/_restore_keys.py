@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 import torch
 
 from ._errors import ConfigurationError
-from ._manifest import Manifest, TensorMeta
+from ._format.manifest import Manifest, TensorMeta
+from ._format.walk import JSON, _escape, decode_tree
 from ._restore_into import _mismatch, _stateful
-from ._tree import JSON, _escape, decode_tree
 
 __all__ = ["WRAPPER_PREFIXES", "align_into", "strip_prefix"]
 

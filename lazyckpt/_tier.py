@@ -34,7 +34,7 @@ from ._state import TierLevel
 
 if TYPE_CHECKING:
     from ._arena import Block, HostArena
-    from ._manifest import Manifest, ShardMeta
+    from ._format.manifest import Manifest, ShardMeta
 
 __all__ = [
     "ENTRY_POINT_GROUP",

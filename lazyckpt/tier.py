@@ -37,7 +37,6 @@ the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier` and
 from __future__ import annotations
 
 from ._arena import Block, HostArena
-from ._crc import crc32c_combine
 from ._distributed.placement import (
     NODE_ENV,
     Exchange,
@@ -57,7 +56,8 @@ from ._errors import (
     TierError,
     TierFullError,
 )
-from ._manifest import FORMAT_VERSION, Manifest, Segment, ShardMeta, TensorMeta
+from ._format.crc import crc32c_combine
+from ._format.manifest import FORMAT_VERSION, Manifest, Segment, ShardMeta, TensorMeta
 from ._state import TierLevel
 from ._tier import (
     ENTRY_POINT_GROUP,

@@ -48,8 +48,8 @@ from lazyckpt._cuda import (
     stream_guard_hook,
     wait_for_event,
 )
-from lazyckpt._manifest import plan_layout
-from lazyckpt._tree import TensorRef, walk_state
+from lazyckpt._format.manifest import plan_layout
+from lazyckpt._format.walk import TensorRef, walk_state
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 

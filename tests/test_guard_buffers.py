@@ -14,7 +14,7 @@ import torch
 import lazyckpt
 from lazyckpt import ConfigurationError, ImmutabilityViolationError, SnapshotFailedError
 from lazyckpt._capture import EagerPolicy, optimizer_pointers
-from lazyckpt._tree import walk_state
+from lazyckpt._format.walk import walk_state
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))

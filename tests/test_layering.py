@@ -47,10 +47,9 @@ def test_public_names_are_exported() -> None:
 # may import modules of its own layer or of a lower one, never of a higher one; imports
 # inside functions and under TYPE_CHECKING count like any other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "hooks", "_loop", "_progress", "_gc", "_crc"),
+    ("_errors", "hooks", "_loop", "_progress", "_gc"),
     (
-        "_distributed", "_tree_values", "_tree", "_manifest_entries", "_manifest_columns", "_manifest",
-        "_options", "_state", "_arena", "_metrics",
+        "_distributed", "_format", "_options", "_state", "_arena", "_metrics",
     ),
     ("_tier", "tier"),
     (

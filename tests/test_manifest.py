@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lazyckpt import CorruptionError, LayoutOptions, LazyCkptError, Manifest
-from lazyckpt._manifest import SHARD_ALIGN, plan_layout
-from lazyckpt._tree import walk_state
+from lazyckpt._format.manifest import SHARD_ALIGN, plan_layout
+from lazyckpt._format.walk import walk_state
 
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 

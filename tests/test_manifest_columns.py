@@ -17,15 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lazyckpt
-from lazyckpt import (
-    CorruptionError,
-    LayoutOptions,
-    LazyCkptError,
-    Manifest,
-    _manifest,
-)
-from lazyckpt._manifest import COMPACT_TENSORS, plan_layout
-from lazyckpt._tree import walk_state
+from lazyckpt import CorruptionError, LayoutOptions, LazyCkptError, Manifest
+from lazyckpt._format import manifest as _manifest
+from lazyckpt._format.manifest import COMPACT_TENSORS, plan_layout
+from lazyckpt._format.walk import walk_state
 from lazyckpt.cli import main
 from tiers import FileTier, ZarrTier
 

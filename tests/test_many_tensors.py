@@ -21,9 +21,9 @@ from lazyckpt import (
     UnsupportedStateError,
     _core,
 )
+from lazyckpt._format.manifest import plan_layout
+from lazyckpt._format.walk import KeyCache, walk_state
 from lazyckpt._gc import collector_paused
-from lazyckpt._manifest import plan_layout
-from lazyckpt._tree import KeyCache, walk_state
 from tiers import FileTier
 
 

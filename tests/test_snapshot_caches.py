@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt import _manifest
 from lazyckpt._engine import Flight
-from lazyckpt._manifest import LayoutOptions, Segment, TensorMeta, plan_layout
-from lazyckpt._tree import Columns, walk_state
+from lazyckpt._format import manifest as _manifest
+from lazyckpt._format.manifest import LayoutOptions, Segment, TensorMeta, plan_layout
+from lazyckpt._format.walk import Columns, walk_state
 from tiers import HostMemoryTier
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}

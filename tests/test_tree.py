@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from lazyckpt import CorruptionError, UnsupportedStateError
-from lazyckpt._tree import INLINE_ARRAY_BYTES, decode_tree, walk_state
+from lazyckpt._format.walk import INLINE_ARRAY_BYTES, decode_tree, walk_state
 
 scalars = (
     st.none()

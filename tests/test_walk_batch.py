@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt import CorruptionError, UnsupportedStateError, _tree, _tree_values
-from lazyckpt._tree import Columns, KeyCache, decode_tree, walk_state
+from lazyckpt import CorruptionError, UnsupportedStateError
+from lazyckpt._format import values as _tree_values
+from lazyckpt._format import walk as _tree
+from lazyckpt._format.walk import Columns, KeyCache, decode_tree, walk_state
 from tiers import FileTier
 
 

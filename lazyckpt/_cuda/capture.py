@@ -56,8 +56,8 @@ import torch
 
 from .._capture import CaptureJob, source_view
 from .._errors import ConfigurationError, ImmutabilityViolationError
-from .._manifest import Manifest, Segment
-from .._tree import TensorRef
+from .._format.manifest import Manifest, Segment
+from .._format.walk import TensorRef
 from .device import (
     DeviceRuntime,
     EventLike,

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from .._errors import ConfigurationError, CorruptionError
-from .._manifest import Manifest
+from .._format.manifest import Manifest
 from .._progress import format_bytes
 from .._tier import SupportsGlobalCommit, SupportsRankManifests
 from .._tiercall import call_tier

@@ -24,8 +24,8 @@ import torch
 
 from .._dtensor import restore_resharded
 from .._errors import CorruptionError
-from .._manifest import Manifest, TensorMeta
-from .._tree import StatefulValue, decode_tree, walk_state
+from .._format.manifest import Manifest, TensorMeta
+from .._format.walk import StatefulValue, decode_tree, walk_state
 from ._console import Console
 from ._formats import SAFETENSORS_DTYPES, format_of
 from ._location import (

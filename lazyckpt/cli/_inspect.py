@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import CorruptionError, LazyCkptError, first_error
-from .._manifest import Manifest, TensorMeta
+from .._format.manifest import Manifest, TensorMeta
+from .._format.values import has_tag
+from .._format.walk import JSON, decode_tree
 from .._progress import Progress, format_bytes
-from .._tree import JSON, decode_tree
-from .._tree_values import has_tag
 from ._console import Console, iso_time, local_time, table
 from ._location import opened, pick_steps
 from ._read import global_shape, layout_of, step_parts, tensor_bytes

@@ -11,7 +11,7 @@ from types import TracebackType
 
 from .._errors import ConfigurationError, CorruptionError
 from .._fetch import read_copy
-from .._manifest import Manifest, ShardMeta, TensorMeta
+from .._format.manifest import Manifest, ShardMeta, TensorMeta
 from .._tier import SupportsRankManifests, Tier
 
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 import crc32c
 
 from .._errors import CorruptionError, first_error
-from .._manifest import Manifest, ShardMeta
+from .._format.manifest import Manifest, ShardMeta
 from .._options import CheckpointerOptions
 from .._tier import Tier
 from .._tiercall import RetryPolicy, call_tier

@@ -76,8 +76,8 @@ from torch.futures import Future
 from .._checkpointer import Checkpointer, SnapshotHandle, SyncCheckpointer, _Core
 from .._dtensor import read_base_manifest
 from .._errors import ConfigurationError, SnapshotNotFoundError
-from .._manifest import Manifest
-from .._tree import decode_tree
+from .._format.manifest import Manifest
+from .._format.walk import decode_tree
 
 __all__ = ["LazyStorageReader", "LazyStorageWriter"]
 

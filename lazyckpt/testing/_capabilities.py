@@ -13,7 +13,7 @@ import crc32c
 import pytest
 
 from .._errors import LazyCkptError, SnapshotNotFoundError
-from .._manifest import Manifest
+from .._format.manifest import Manifest
 from .._tier import (
     Retention,
     SupportsBatchPut,

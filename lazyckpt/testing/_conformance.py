@@ -80,7 +80,7 @@ from .._errors import (
     SnapshotNotFoundError,
     TierError,
 )
-from .._manifest import Manifest
+from .._format.manifest import Manifest
 from .._tier import SupportsReferences, SupportsStaging, Tier
 from ._capabilities import CapabilityTests
 from ._oracle import build_snapshot

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 from .._errors import TierBrokenError, TierError, TierFullError
-from .._manifest import Manifest, ShardMeta
+from .._format.manifest import Manifest, ShardMeta
 from .._tier import Tier
 
 __all__ = ["FaultyTier"]

@@ -10,8 +10,8 @@ from typing import Any
 import crc32c
 import torch
 
-from .._manifest import LayoutOptions, Manifest, plan_layout
-from .._tree import walk_state
+from .._format.manifest import LayoutOptions, Manifest, plan_layout
+from .._format.walk import walk_state
 
 __all__ = ["build_snapshot"]
 

@@ -14,7 +14,7 @@ import crc32c
 import pytest
 import torch
 
-from .._manifest import Manifest
+from .._format.manifest import Manifest
 from .._tier import Tier
 
 __all__ = ["TierSuite", "build_crc", "sample_state"]

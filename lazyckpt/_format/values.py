@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import CorruptionError, UnsupportedStateError
+from .._errors import CorruptionError, UnsupportedStateError
 
 __all__ = [
     "INLINE_ARRAY_BYTES",

@@ -29,9 +29,9 @@ from typing import Any, Protocol, cast, runtime_checkable
 import numpy as np
 import torch
 
-from ._distributed.chunks import DistInfo, ReplicatedMarker, local_chunk, replicated_info
-from ._errors import UnsupportedStateError
-from ._tree_values import (
+from .._distributed.chunks import DistInfo, ReplicatedMarker, local_chunk, replicated_info
+from .._errors import UnsupportedStateError
+from .values import (
     _ARRAY_KINDS,
     _DTYPE_NAMES,
     INLINE_ARRAY_BYTES,
@@ -41,7 +41,7 @@ from ._tree_values import (
     dtype_from_name,
     dtype_name,
 )
-from ._tree_values import JSON as JSON  # re-exported: the format modules import it from here
+from .values import JSON as JSON  # re-exported: the format modules import it from here
 
 __all__ = [
     "INLINE_ARRAY_BYTES",

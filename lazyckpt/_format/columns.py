@@ -1,6 +1,6 @@
 """The column encoding of a manifest (format version 5).
 
-The same document as the rows of ``lazyckpt._manifest``, with "tensors" and "shards" each an
+The same document as the rows of ``lazyckpt._format.manifest``, with "tensors" and "shards" each an
 object of parallel lists (docs/format.md lists them), written for states of many tensors:
 there it is a fraction of the size and parses in a fraction of the time.
 """
@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import crc32c
 
-from ._errors import CorruptionError
-from ._manifest_entries import _DIGEST, Mode, Segment, ShardMeta, TensorMeta, _decode_dist, _int
-from ._tree import JSON, dtype_from_name
+from .._errors import CorruptionError
+from .entries import _DIGEST, Mode, Segment, ShardMeta, TensorMeta, _decode_dist, _int
+from .walk import JSON, dtype_from_name
 
 # -- the column encoding (format version 5) ----------------------------------------------------
 #

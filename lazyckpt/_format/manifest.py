@@ -47,16 +47,16 @@ from typing import Any
 import crc32c
 import torch
 
-from ._errors import ConfigurationError, CorruptionError
-from ._gc import collector_paused
-from ._manifest_columns import (
+from .._errors import ConfigurationError, CorruptionError
+from .._gc import collector_paused
+from .columns import (
     _COLUMN_FIELDS,
     _COLUMNS_VERSION,
     ColumnText,
     _columns_json,
     _decode_columns,
 )
-from ._manifest_entries import (
+from .entries import (
     _DIGEST,
     _MODES,
     Mode,
@@ -67,7 +67,7 @@ from ._manifest_entries import (
     _indexes,
     _int,
 )
-from ._tree import JSON, TensorRef, dtype_from_name, dtype_name
+from .walk import JSON, TensorRef, dtype_from_name, dtype_name
 
 __all__ = [
     "COMPACT_TENSORS",
