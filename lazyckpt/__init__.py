@@ -6,7 +6,6 @@ flow down a chain of tiers (host memory, local files, Zarr on a parallel file sy
 See ``docs/index.md``.
 """
 
-from ._arena import ArenaStats, Block, HostArena
 from ._checkpointer import (
     Checkpointer,
     SnapshotHandle,
@@ -56,8 +55,8 @@ from ._metrics import (
 )
 from ._options import CheckpointerOptions
 from ._restore import VerifyReport, strip_prefix
-from ._state import ShardState, TierLevel
-from ._tier import (
+from ._tiering.arena import ArenaStats, Block, HostArena
+from ._tiering.interface import (
     ENTRY_POINT_GROUP,
     Retention,
     SupportsStaging,
@@ -66,6 +65,7 @@ from ._tier import (
     load_tier,
     translate_os_error,
 )
+from ._tiering.states import ShardState, TierLevel
 
 __version__ = "0.1.0"
 

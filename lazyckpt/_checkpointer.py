@@ -22,7 +22,7 @@ from ._handle import SnapshotHandle
 from ._optimizers import unwrap_optimizer
 from ._options import CheckpointerOptions
 from ._restore import VerifyReport
-from ._tier import Tier
+from ._tiering.interface import Tier
 
 __all__ = [
     "Checkpointer",

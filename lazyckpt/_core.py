@@ -36,7 +36,7 @@ from ._handle import SnapshotHandle
 from ._lazy import LazyRestores
 from ._optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
 from ._options import CheckpointerOptions
-from ._tier import Tier
+from ._tiering.interface import Tier
 
 __all__ = ["_Core", "captures_done", "make_core"]
 

@@ -60,7 +60,7 @@ from ._fetch import Checksum, byte_view, committed_steps, read_verified, thread_
 from ._format.manifest import Manifest, TensorMeta
 from ._format.walk import Stateful, TensorRef, decode_tree, walk_state
 from ._restore import align_into, apply_into, check_optimizers, read_manifest
-from ._tier import SupportsRankManifests, Tier
+from ._tiering.interface import SupportsRankManifests, Tier
 
 __all__ = [
     "DistInfo",

@@ -44,7 +44,6 @@ from typing import TypeVar
 
 import torch
 
-from ._arena import Block, HostArena
 from ._capture import CaptureBackend, ChecksumPool, CpuCapture
 from ._cuda import CudaCapture
 from ._distributed.coordinator import Coordinator, distributed_context
@@ -65,9 +64,10 @@ from ._format.manifest import LayoutOptions, Manifest
 from ._incremental import Increments
 from ._loop import EngineLoop
 from ._options import CheckpointerOptions
-from ._state import StateTable, build_table
-from ._tier import SupportsStaging, Tier
-from ._tiercall import RetryPolicy, call_tier
+from ._tiering.arena import Block, HostArena
+from ._tiering.calls import RetryPolicy, call_tier
+from ._tiering.interface import SupportsStaging, Tier
+from ._tiering.states import StateTable, build_table
 
 __all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 

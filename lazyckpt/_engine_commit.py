@@ -20,7 +20,7 @@ from ._errors import ConfigurationError, LazyCkptError, TierBrokenError
 from ._flight import Flight
 from ._incremental import Increments
 from ._options import CheckpointerOptions
-from ._tier import SupportsGlobalCommit, SupportsReferences, Tier
+from ._tiering.interface import SupportsGlobalCommit, SupportsReferences, Tier
 
 __all__ = ["_Commits"]
 

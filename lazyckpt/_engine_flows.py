@@ -15,14 +15,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import hooks
-from ._arena import Block, HostArena
 from ._capture import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
 from ._fetch import read_copy
 from ._flight import Flight
 from ._format.manifest import LayoutOptions, ShardMeta
 from ._incremental import Increments
-from ._state import Event, StateTable, advance
-from ._tier import SupportsBatchPut, SupportsStaging, Tier, puts_batches
+from ._tiering.arena import Block, HostArena
+from ._tiering.interface import SupportsBatchPut, SupportsStaging, Tier, puts_batches
+from ._tiering.states import Event, StateTable, advance
 
 __all__ = ["_BATCH_BYTES", "_Flows"]
 
@@ -33,7 +33,7 @@ _BATCH_BYTES = 64 << 20
 
 class _PutGroup:
     """The shards of one capture batch on their way to the first durable tier: one
-    ``put_shards`` call for those that get there (:class:`~lazyckpt._tier.SupportsBatchPut`).
+    ``put_shards`` call for those that get there (:class:`~lazyckpt._tiering.interface.SupportsBatchPut`).
 
     Each shard's flow either hands its data in (:meth:`put`, which returns once the call
     did) or leaves (:meth:`leave`: it failed, its bytes are reused, the stage failed, or

@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._arena import Block, HostArena
 from ._distributed.coordinator import Coordinator
 from ._errors import LazyCkptError, SnapshotFailedError, TierBrokenError
 from ._flight import Flight, SnapshotStats
 from ._incremental import Increments
-from ._tier import SupportsStaging, Tier
+from ._tiering.arena import Block, HostArena
+from ._tiering.interface import SupportsStaging, Tier
 
 __all__ = ["_Records"]
 

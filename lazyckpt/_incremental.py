@@ -25,7 +25,7 @@ import torch
 from ._flight import Flight, Stage
 from ._format.manifest import Manifest, ShardMeta
 from ._format.walk import TensorRef
-from ._tier import SupportsReferences
+from ._tiering.interface import SupportsReferences
 
 __all__ = ["Increments"]
 

@@ -58,7 +58,7 @@ from ._gc import collector_paused
 from ._optimizers import check_optimizer_state
 from ._restore_into import _join, _mismatch, _stateful, apply_into
 from ._restore_keys import WRAPPER_PREFIXES, _items, _key_of, align_into, strip_prefix
-from ._tier import SupportsChecksummedRead, Tier
+from ._tiering.interface import SupportsChecksummedRead, Tier
 from ._verify_step import VerifyReport, verify_step
 
 __all__ = [

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ._errors import CorruptionError, SnapshotNotFoundError, TierError
 from ._fetch import Checksum, find_step, read_copy, shard_keys, thread_checksum
 from ._format.manifest import Manifest
-from ._tier import SupportsRankManifests, Tier
+from ._tiering.interface import SupportsRankManifests, Tier
 
 __all__ = ["VerifyReport", "verify_step"]
 

@@ -36,7 +36,6 @@ the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier` and
 
 from __future__ import annotations
 
-from ._arena import Block, HostArena
 from ._distributed.placement import (
     NODE_ENV,
     Exchange,
@@ -58,8 +57,8 @@ from ._errors import (
 )
 from ._format.crc import crc32c_combine
 from ._format.manifest import FORMAT_VERSION, Manifest, Segment, ShardMeta, TensorMeta
-from ._state import TierLevel
-from ._tier import (
+from ._tiering.arena import Block, HostArena
+from ._tiering.interface import (
     ENTRY_POINT_GROUP,
     Retention,
     SupportsBatchPut,
@@ -75,6 +74,7 @@ from ._tier import (
     load_tier,
     translate_os_error,
 )
+from ._tiering.states import TierLevel
 
 __all__ = [
     "ENTRY_POINT_GROUP",

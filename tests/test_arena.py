@@ -94,7 +94,7 @@ class _FakeCudart:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCudart:
     import torch
 
-    from lazyckpt import _arena
+    from lazyckpt._tiering import arena as _arena
 
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -119,7 +119,7 @@ def test_refused_page_lock_falls_back_to_the_caching_allocator(
 ) -> None:
     import torch
 
-    from lazyckpt import _arena
+    from lazyckpt._tiering import arena as _arena
 
     fake_cuda.status = 2  # cudaErrorMemoryAllocation
     asked: list[int] = []

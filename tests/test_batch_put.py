@@ -17,7 +17,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import SnapshotFailedError
-from lazyckpt._tier import puts_batches
+from lazyckpt._tiering.interface import puts_batches
 from lazyckpt.tier import Manifest, ShardMeta, TierBrokenError
 from tiers import FileTier, HostMemoryTier, _file_io
 
@@ -174,7 +174,7 @@ async def test_a_batch_call_has_the_deadline_of_its_shards_together() -> None:
     from types import SimpleNamespace
 
     from lazyckpt import DeadlineExceededError
-    from lazyckpt._tiercall import call_tier
+    from lazyckpt._tiering.calls import call_tier
 
     policy = SimpleNamespace(deadline=0.1, retries=0, retry_backoff=0.001)
 

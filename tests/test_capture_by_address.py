@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lazyckpt import _capture
-from lazyckpt._arena import HostArena
 from lazyckpt._capture import CaptureJob, copy_into_blocks, source_view
 from lazyckpt._format.manifest import LayoutOptions, Manifest, plan_layout
 from lazyckpt._format.walk import TensorRef, walk_state
+from lazyckpt._tiering.arena import HostArena
 
 SHARD = 256 << 10  # rows chunks above the locked-copy size, packs below it
 

@@ -49,11 +49,11 @@ def test_public_names_are_exported() -> None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_errors", "hooks", "_loop", "_progress", "_gc"),
     (
-        "_distributed", "_format", "_options", "_state", "_arena", "_metrics",
+        "_distributed", "_format", "_options", "_metrics",
     ),
-    ("_tier", "tier"),
+    ("_tiering", "tier"),
     (
-        "_fetch", "_tiercall", "_optimizers", "_lazy", "_flight", "_incremental", "_capture",
+        "_fetch", "_optimizers", "_lazy", "_flight", "_incremental", "_capture",
         "_cuda", "_restore_into", "_restore_keys", "_verify_step", "_restore", "_dtensor",
         "_engine_flows", "_engine_commit", "_engine_records", "_engine",
     ),

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import lazyckpt
 import tiers._file_read as file_read
 from lazyckpt import CorruptionError
-from lazyckpt._tier import reads_checksummed
+from lazyckpt._tiering.interface import reads_checksummed
 from lazyckpt.testing import build_snapshot
 from lazyckpt.tier import SupportsChecksummedRead, TierLevel, crc32c_combine
 from tiers import FileTier

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lazyckpt import ConfigurationError, InvalidTransitionError, ShardState, TierLevel
-from lazyckpt._state import (
+from lazyckpt._tiering.states import (
     RESTORE_TABLE,
     Event,
     RestoreEvent,
@@ -136,7 +136,7 @@ def test_state_module_does_no_io() -> None:
     import ast
     import inspect
 
-    import lazyckpt._state as mod
+    import lazyckpt._tiering.states as mod
 
     tree = ast.parse(inspect.getsource(mod))
     imported = {

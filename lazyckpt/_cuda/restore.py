@@ -12,7 +12,7 @@ import torch
 from .._errors import first_error
 from .._fetch import Checksum, lend_verified, thread_checksum
 from .._format.manifest import Manifest, Segment, ShardMeta
-from .._tier import Tier
+from .._tiering.interface import Tier
 from .device import (
     DeviceRuntime,
     EventLike,

@@ -19,8 +19,8 @@ from pathlib import Path
 from .._errors import ConfigurationError, CorruptionError
 from .._format.manifest import Manifest
 from .._progress import format_bytes
-from .._tier import SupportsGlobalCommit, SupportsRankManifests
-from .._tiercall import call_tier
+from .._tiering.calls import call_tier
+from .._tiering.interface import SupportsGlobalCommit, SupportsRankManifests
 from ._console import Console
 from ._location import Location, opened, pick_steps, resolve_location
 from ._read import ShardReader, rank_label, step_parts

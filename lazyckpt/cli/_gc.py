@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .._tier import Retention, SupportsReferences
-from .._tiercall import call_tier
+from .._tiering.calls import call_tier
+from .._tiering.interface import Retention, SupportsReferences
 from ._console import Console
 from ._location import opened
 from ._status import EXIT_OK

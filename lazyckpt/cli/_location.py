@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._fetch import latest_step
-from .._tier import Tier, available_tiers, load_tier
+from .._tiering.interface import Tier, available_tiers, load_tier
 from ._status import (
     EXIT_NOT_FOUND,
     EXIT_USAGE,

@@ -12,7 +12,7 @@ from types import TracebackType
 from .._errors import ConfigurationError, CorruptionError
 from .._fetch import read_copy
 from .._format.manifest import Manifest, ShardMeta, TensorMeta
-from .._tier import SupportsRankManifests, Tier
+from .._tiering.interface import SupportsRankManifests, Tier
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any
 
 from .._errors import ConfigurationError, CorruptionError
 from .._progress import format_bytes
-from .._tier import SupportsRankManifests
+from .._tiering.interface import SupportsRankManifests
 from ._console import Console
 from ._location import (
     Location,

@@ -1,7 +1,7 @@
 """Writing a snapshot to a tier from the command line (``import``, ``copy``).
 
 Every call on the tier (``begin``, each ``put_shard``, ``commit``, ``abort``) goes through the
-engine's own :func:`~lazyckpt._tiercall.call_tier`, so a command writes under the same deadline,
+engine's own :func:`~lazyckpt._tiering.calls.call_tier`, so a command writes under the same deadline,
 retries and error translation as a Checkpointer with default options does.
 """
 
@@ -18,8 +18,8 @@ import crc32c
 from .._errors import CorruptionError, first_error
 from .._format.manifest import Manifest, ShardMeta
 from .._options import CheckpointerOptions
-from .._tier import Tier
-from .._tiercall import RetryPolicy, call_tier
+from .._tiering.calls import RetryPolicy, call_tier
+from .._tiering.interface import Tier
 from ._console import Console
 from ._read import ShardReader, damage_keys
 

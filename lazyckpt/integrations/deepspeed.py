@@ -67,7 +67,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .._checkpointer import SnapshotHandle, SyncCheckpointer
 from .._dtensor import SupportsRankManifests
 from .._errors import ConfigurationError, CorruptionError, LazyCkptError, SnapshotNotFoundError
-from .._tier import Tier
+from .._tiering.interface import Tier
 
 __all__ = ["POINTER_FORMAT", "LazyCheckpointEngine"]
 

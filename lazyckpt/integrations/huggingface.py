@@ -58,7 +58,7 @@ import torch
 
 from .._checkpointer import SnapshotHandle, SyncCheckpointer
 from .._errors import ConfigurationError, LazyCkptError, SnapshotNotFoundError
-from .._tier import Tier
+from .._tiering.interface import Tier
 from ._rollback import abandoned_steps
 
 try:

@@ -55,8 +55,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .._checkpointer import SnapshotHandle, SyncCheckpointer
 from .._errors import ConfigurationError, LazyCkptError, SnapshotNotFoundError
-from .._state import TierLevel
-from .._tier import Tier
+from .._tiering.interface import Tier
+from .._tiering.states import TierLevel
 from ._rollback import abandoned_steps
 
 __all__ = ["LazyCheckpointIO"]

@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - only without the extra
 
 from .._checkpointer import SnapshotHandle, SyncCheckpointer
 from .._errors import ConfigurationError, SnapshotFailedError
-from .._tier import Tier, load_tier
+from .._tiering.interface import Tier, load_tier
 
 __all__ = ["LazyCheckpointManager"]
 

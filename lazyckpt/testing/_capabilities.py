@@ -14,7 +14,7 @@ import pytest
 
 from .._errors import LazyCkptError, SnapshotNotFoundError
 from .._format.manifest import Manifest
-from .._tier import (
+from .._tiering.interface import (
     Retention,
     SupportsBatchPut,
     SupportsBlockRead,

@@ -81,7 +81,7 @@ from .._errors import (
     TierError,
 )
 from .._format.manifest import Manifest
-from .._tier import SupportsReferences, SupportsStaging, Tier
+from .._tiering.interface import SupportsReferences, SupportsStaging, Tier
 from ._capabilities import CapabilityTests
 from ._oracle import build_snapshot
 from ._suite import build_crc

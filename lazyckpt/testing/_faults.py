@@ -18,7 +18,7 @@ from typing import Any
 
 from .._errors import TierBrokenError, TierError, TierFullError
 from .._format.manifest import Manifest, ShardMeta
-from .._tier import Tier
+from .._tiering.interface import Tier
 
 __all__ = ["FaultyTier"]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from .._format.manifest import Manifest
-from .._tier import Tier
+from .._tiering.interface import Tier
 
 __all__ = ["TierSuite", "build_crc", "sample_state"]
 

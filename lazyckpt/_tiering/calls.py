@@ -9,8 +9,8 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
-from ._errors import DeadlineExceededError, TierBrokenError
-from ._tier import backend_errors
+from .._errors import DeadlineExceededError, TierBrokenError
+from .interface import backend_errors
 
 __all__ = ["RetryPolicy", "call_tier"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ._errors import ConfigurationError
+from .._errors import ConfigurationError
 
 __all__ = ["ArenaStats", "Block", "HostArena"]
 

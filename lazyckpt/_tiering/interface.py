@@ -23,18 +23,18 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from ._errors import (
+from .._errors import (
     ConfigurationError,
     LazyCkptError,
     TierBrokenError,
     TierError,
     TierFullError,
 )
-from ._state import TierLevel
+from .states import TierLevel
 
 if TYPE_CHECKING:
-    from ._arena import Block, HostArena
-    from ._format.manifest import Manifest, ShardMeta
+    from .._format.manifest import Manifest, ShardMeta
+    from .arena import Block, HostArena
 
 __all__ = [
     "ENTRY_POINT_GROUP",

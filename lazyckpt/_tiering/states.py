@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ._errors import ConfigurationError, InvalidTransitionError
+from .._errors import ConfigurationError, InvalidTransitionError
 
 __all__ = [
     "Event",
