@@ -66,7 +66,7 @@ sys.path.insert(0, str(REPO))
 from model import GPT, GPTConfig  # noqa: E402
 
 import lazyckpt  # noqa: E402
-from lazyckpt._cuda import CudaCapture, stream_guard_hook  # noqa: E402
+from lazyckpt._capture.cuda import CudaCapture, stream_guard_hook  # noqa: E402
 from tiers import HostMemoryTier  # noqa: E402
 
 MiB = 1 << 20

@@ -247,7 +247,7 @@ PIECE_CRC = 4 << 20  # piece size of the inline-checksum capture (as the library
 def _copy_and_crc(job: Any) -> int:
     """The capture as it was before the checksum stage: copy each piece of a shard, then
     checksum it on the same thread while it is still in cache; version check last."""
-    from lazyckpt._capture import check_versions, source_view
+    from lazyckpt._capture.cpu import check_versions, source_view
 
     dest = job.block.tensor()
     view = job.block.memoryview()
@@ -311,7 +311,7 @@ def _crc_inline(ckpt: lazyckpt.Checkpointer) -> None:
 
 
 def _checksums_same_priority(ckpt: lazyckpt.Checkpointer) -> None:
-    from lazyckpt._capture import ChecksumPool
+    from lazyckpt._capture.cpu import ChecksumPool
 
     engine = ckpt._core.engine
     engine.checksums.close()

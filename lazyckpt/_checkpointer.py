@@ -9,8 +9,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._capture.cuda import GuardMode
+from ._capture.optimizers import unwrap_optimizer
 from ._core import _Core, captures_done, make_core
-from ._cuda import GuardMode
 from ._distributed.preemption import DrainReport
 from ._errors import (
     ConfigurationError,
@@ -19,7 +20,6 @@ from ._errors import (
     SnapshotSkippedWarning,
 )
 from ._handle import SnapshotHandle
-from ._optimizers import unwrap_optimizer
 from ._options import CheckpointerOptions
 from ._restore import VerifyReport
 from ._tiering.interface import Tier

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from ._capture import EagerPolicy, VerifyingCapture, copy_eager, optimizer_pointers
+from ._capture.cpu import EagerPolicy, VerifyingCapture, copy_eager, optimizer_pointers
+from ._capture.cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
+from ._capture.optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
 from ._core_lifecycle import _Lifecycle
 from ._core_steps import _StepOps
-from ._cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
 from ._distributed.preemption import PreemptionHandler
 from ._dtensor import SupportsRankManifests, assign_writers
 from ._engine import Engine, Flight
@@ -34,7 +35,6 @@ from ._format.walk import Columns, KeyCache, TensorRef, walk_state
 from ._gc import collector_paused
 from ._handle import SnapshotHandle
 from ._lazy import LazyRestores
-from ._optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
 from ._options import CheckpointerOptions
 from ._tiering.interface import Tier
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ._capture.optimizers import hook_installed
 from ._dtensor import needs_resharding, read_base_manifest, restore_resharded
 from ._engine import Engine
 from ._errors import (
@@ -20,7 +21,6 @@ from ._errors import (
 )
 from ._format.walk import TensorRef
 from ._lazy import LazyRestores
-from ._optimizers import hook_installed
 from ._options import CheckpointerOptions
 from ._restore import VerifyReport, committed_steps, restore_lazily, restore_state, verify_step
 

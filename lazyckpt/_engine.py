@@ -44,8 +44,8 @@ from typing import TypeVar
 
 import torch
 
-from ._capture import CaptureBackend, ChecksumPool, CpuCapture
-from ._cuda import CudaCapture
+from ._capture.cpu import CaptureBackend, ChecksumPool, CpuCapture
+from ._capture.cuda import CudaCapture
 from ._distributed.coordinator import Coordinator, distributed_context
 from ._distributed.placement import join_peers
 from ._engine_commit import _Commits

@@ -15,7 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import hooks
-from ._capture import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
+from ._capture.cpu import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
 from ._fetch import read_copy
 from ._flight import Flight
 from ._format.manifest import LayoutOptions, ShardMeta

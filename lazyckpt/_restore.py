@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from ._cuda.restore import restore_into
+from ._capture.cuda.restore import restore_into
+from ._capture.optimizers import check_optimizer_state
 from ._errors import (
     ConfigurationError,
     CorruptionError,
@@ -55,7 +56,6 @@ from ._fetch import (
 from ._format.manifest import Manifest, ShardMeta, TensorMeta
 from ._format.walk import JSON, _escape, decode_tree, walk_state
 from ._gc import collector_paused
-from ._optimizers import check_optimizer_state
 from ._restore_into import _join, _mismatch, _stateful, apply_into
 from ._restore_keys import WRAPPER_PREFIXES, _items, _key_of, align_into, strip_prefix
 from ._tiering.interface import SupportsChecksummedRead, Tier

@@ -21,7 +21,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import ConfigurationError, ShardState, SnapshotFailedError
-from lazyckpt._capture import ChecksumPool, block_checksum
+from lazyckpt._capture.cpu import ChecksumPool, block_checksum
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 

@@ -37,8 +37,8 @@ from lazyckpt import (
     Manifest,
     ShardMeta,
 )
-from lazyckpt._capture import CaptureJob, CpuCapture, block_checksum
-from lazyckpt._cuda import (
+from lazyckpt._capture.cpu import CaptureJob, CpuCapture, block_checksum
+from lazyckpt._capture.cuda import (
     CudaCapture,
     InflightWindow,
     PollOptions,

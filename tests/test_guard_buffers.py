@@ -13,7 +13,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import ConfigurationError, ImmutabilityViolationError, SnapshotFailedError
-from lazyckpt._capture import EagerPolicy, optimizer_pointers
+from lazyckpt._capture.cpu import EagerPolicy, optimizer_pointers
 from lazyckpt._format.walk import walk_state
 from tiers import FileTier, HostMemoryTier
 

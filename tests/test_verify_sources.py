@@ -14,7 +14,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import ImmutabilityViolationError, SnapshotFailedError
-from lazyckpt._capture import VerifyingCapture
+from lazyckpt._capture.cpu import VerifyingCapture
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -37,11 +37,11 @@ from typing import Any, Protocol, cast, runtime_checkable
 import crc32c
 import torch
 
-from ._errors import ConfigurationError, ImmutabilityViolationError
-from ._format.manifest import Manifest, Segment, ShardMeta
-from ._format.walk import TensorRef
-from ._options import CheckpointerOptions, compile_patterns
-from ._tiering.arena import Block
+from .._errors import ConfigurationError, ImmutabilityViolationError
+from .._format.manifest import Manifest, Segment, ShardMeta
+from .._format.walk import TensorRef
+from .._options import CheckpointerOptions, compile_patterns
+from .._tiering.arena import Block
 
 __all__ = [
     "BatchCapture",

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._errors import ConfigurationError, StateMismatchError
+from .._errors import ConfigurationError, StateMismatchError
 
 __all__ = [
     "check_optimizer_state",

@@ -54,10 +54,10 @@ from typing import Protocol
 
 import torch
 
-from .._capture import CaptureJob, source_view
-from .._errors import ConfigurationError, ImmutabilityViolationError
-from .._format.manifest import Manifest, Segment
-from .._format.walk import TensorRef
+from ..._errors import ConfigurationError, ImmutabilityViolationError
+from ..._format.manifest import Manifest, Segment
+from ..._format.walk import TensorRef
+from ..cpu import CaptureJob, source_view
 from .device import (
     DeviceRuntime,
     EventLike,

@@ -9,10 +9,10 @@ from typing import cast
 
 import torch
 
-from .._errors import first_error
-from .._fetch import Checksum, lend_verified, thread_checksum
-from .._format.manifest import Manifest, Segment, ShardMeta
-from .._tiering.interface import Tier
+from ..._errors import first_error
+from ..._fetch import Checksum, lend_verified, thread_checksum
+from ..._format.manifest import Manifest, Segment, ShardMeta
+from ..._tiering.interface import Tier
 from .device import (
     DeviceRuntime,
     EventLike,

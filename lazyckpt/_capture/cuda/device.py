@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-from .._errors import ConfigurationError
+from ..._errors import ConfigurationError
 
 __all__ = [
     "DeviceRuntime",

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from .._errors import ConfigurationError
+from ..._errors import ConfigurationError
 from .capture import CudaCapture, PendingCapture
 
 __all__ = ["GuardMode", "resolve_guard_mode", "stream_guard_hook"]

@@ -1,9 +1,9 @@
-"""The CUDA path, one concern per module.
+"""Capture on CUDA, one concern per module.
 
 ``device``: the device behind a seam (:class:`DeviceRuntime`) and the waiting primitives;
 ``capture``: side-stream device-to-host captures (:class:`CudaCapture`); ``guard``: the
-stream guard's optimizer step pre-hook; ``restore``: restoring straight into device tensors.
-The names are re-exported here.
+stream guard's optimizer step pre-hook. The names are re-exported here. Restoring straight
+into device tensors is restore's (``lazyckpt._restore.device``), built on ``device``.
 """
 
 from .capture import CudaCapture, PendingCapture
@@ -18,7 +18,6 @@ from .device import (
     wait_for_event,
 )
 from .guard import GuardMode, resolve_guard_mode, stream_guard_hook
-from .restore import restore_into
 
 __all__ = [
     "CudaCapture",
@@ -32,7 +31,6 @@ __all__ = [
     "TorchCudaRuntime",
     "in_pool",
     "resolve_guard_mode",
-    "restore_into",
     "stream_guard_hook",
     "wait_for_event",
 ]
