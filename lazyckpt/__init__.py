@@ -15,7 +15,6 @@ from ._checkpointer import (
     SyncCheckpointer,
 )
 from ._distributed.preemption import DrainReport
-from ._dtensor import Replicated
 from ._engine import SnapshotStats
 from ._errors import (
     CheckpointerClosedError,
@@ -54,7 +53,8 @@ from ._metrics import (
     install_log_context,
 )
 from ._options import CheckpointerOptions
-from ._restore import VerifyReport, strip_prefix
+from ._restore.reshard import Replicated
+from ._restore.restore import VerifyReport, strip_prefix
 from ._tiering.arena import ArenaStats, Block, HostArena
 from ._tiering.interface import (
     ENTRY_POINT_GROUP,

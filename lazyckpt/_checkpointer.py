@@ -21,7 +21,7 @@ from ._errors import (
 )
 from ._handle import SnapshotHandle
 from ._options import CheckpointerOptions
-from ._restore import VerifyReport
+from ._restore.restore import VerifyReport
 from ._tiering.interface import Tier
 
 __all__ = [

@@ -27,15 +27,15 @@ from ._capture.optimizers import hook_installed, optimizer_shape, unwrap_optimiz
 from ._core_lifecycle import _Lifecycle
 from ._core_steps import _StepOps
 from ._distributed.preemption import PreemptionHandler
-from ._dtensor import SupportsRankManifests, assign_writers
 from ._engine import Engine, Flight
 from ._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
 from ._format.manifest import Manifest, plan_layout
 from ._format.walk import Columns, KeyCache, TensorRef, walk_state
 from ._gc import collector_paused
 from ._handle import SnapshotHandle
-from ._lazy import LazyRestores
 from ._options import CheckpointerOptions
+from ._restore.lazy import LazyRestores
+from ._restore.reshard import SupportsRankManifests, assign_writers
 from ._tiering.interface import Tier
 
 __all__ = ["_Core", "captures_done", "make_core"]

@@ -37,8 +37,8 @@ import torch
 from ._distributed.preemption import DrainReport, PreemptionHandler
 from ._engine import Engine
 from ._errors import ConfigurationError, LazyCkptError, SnapshotFailedError
-from ._lazy import LazyRestores
 from ._options import CheckpointerOptions
+from ._restore.lazy import LazyRestores
 
 __all__ = ["_Lifecycle"]
 

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from ._capture.optimizers import hook_installed
-from ._dtensor import needs_resharding, read_base_manifest, restore_resharded
 from ._engine import Engine
 from ._errors import (
     ConfigurationError,
@@ -20,9 +19,16 @@ from ._errors import (
     SnapshotNotFoundError,
 )
 from ._format.walk import TensorRef
-from ._lazy import LazyRestores
 from ._options import CheckpointerOptions
-from ._restore import VerifyReport, committed_steps, restore_lazily, restore_state, verify_step
+from ._restore.lazy import LazyRestores
+from ._restore.reshard import needs_resharding, read_base_manifest, restore_resharded
+from ._restore.restore import (
+    VerifyReport,
+    committed_steps,
+    restore_lazily,
+    restore_state,
+    verify_step,
+)
 
 __all__ = ["_StepOps"]
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import hooks
 from ._capture.cpu import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
-from ._fetch import read_copy
 from ._flight import Flight
 from ._format.manifest import LayoutOptions, ShardMeta
 from ._incremental import Increments
+from ._restore.fetch import read_copy
 from ._tiering.arena import Block, HostArena
 from ._tiering.interface import SupportsBatchPut, SupportsStaging, Tier, puts_batches
 from ._tiering.states import Event, StateTable, advance

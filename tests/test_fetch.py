@@ -10,7 +10,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import CorruptionError, Manifest, SnapshotNotFoundError, Tier
-from lazyckpt._fetch import find_step, latest_step, lend_verified, read_verified
+from lazyckpt._restore.fetch import find_step, latest_step, lend_verified, read_verified
 from lazyckpt.testing import FaultyTier, build_snapshot
 from lazyckpt.tier import SupportsChecksummedRead
 from tiers import FileTier, HostMemoryTier

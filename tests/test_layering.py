@@ -53,8 +53,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("_tiering", "tier"),
     (
-        "_fetch", "_lazy", "_flight", "_incremental", "_capture",
-        "_restore_into", "_restore_keys", "_verify_step", "_restore", "_dtensor",
+        "_flight", "_incremental", "_capture",
+        "_restore",
         "_engine_flows", "_engine_commit", "_engine_records", "_engine",
     ),
     ("", "_handle", "_core_steps", "_core_lifecycle", "_core", "_checkpointer", "timeline"),

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .._dtensor import restore_resharded
 from .._errors import CorruptionError
 from .._format.manifest import Manifest, TensorMeta
 from .._format.walk import StatefulValue, decode_tree, walk_state
+from .._restore.reshard import restore_resharded
 from ._console import Console
 from ._formats import SAFETENSORS_DTYPES, format_of
 from ._location import (

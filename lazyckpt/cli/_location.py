@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._fetch import latest_step
+from .._restore.fetch import latest_step
 from .._tiering.interface import Tier, available_tiers, load_tier
 from ._status import (
     EXIT_NOT_FOUND,

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from .._errors import ConfigurationError, CorruptionError
-from .._fetch import read_copy
 from .._format.manifest import Manifest, ShardMeta, TensorMeta
+from .._restore.fetch import read_copy
 from .._tiering.interface import SupportsRankManifests, Tier
 
 

@@ -74,10 +74,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .._checkpointer import Checkpointer, SnapshotHandle, SyncCheckpointer, _Core
-from .._dtensor import read_base_manifest
 from .._errors import ConfigurationError, SnapshotNotFoundError
 from .._format.manifest import Manifest
 from .._format.walk import decode_tree
+from .._restore.reshard import read_base_manifest
 
 __all__ = ["LazyStorageReader", "LazyStorageWriter"]
 

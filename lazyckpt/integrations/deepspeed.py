@@ -65,8 +65,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .._checkpointer import SnapshotHandle, SyncCheckpointer
-from .._dtensor import SupportsRankManifests
 from .._errors import ConfigurationError, CorruptionError, LazyCkptError, SnapshotNotFoundError
+from .._restore.reshard import SupportsRankManifests
 from .._tiering.interface import Tier
 
 __all__ = ["POINTER_FORMAT", "LazyCheckpointEngine"]
@@ -354,8 +354,8 @@ class LazyCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed
         ``FileTier`` or ``ZarrTier``)."""
         # lazyckpt's restore() reads the calling rank's own part; another rank's part is read
         # with the same pieces it uses for resharding
-        from .._dtensor import _read_rank_manifest, _readers
-        from .._restore import restore_state
+        from .._restore.reshard import _read_rank_manifest, _readers
+        from .._restore.restore import restore_state
 
         core = self._ckpt._core
 

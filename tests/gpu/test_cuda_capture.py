@@ -22,8 +22,8 @@ import torch
 import lazyckpt
 from lazyckpt import ImmutabilityViolationError, SnapshotFailedError
 from lazyckpt._capture.cuda import CudaCapture, stream_guard_hook
-from lazyckpt._capture.cuda.restore import restore_into
-from lazyckpt._restore import read_manifest
+from lazyckpt._restore.device import restore_into
+from lazyckpt._restore.restore import read_manifest
 from tiers import FileTier, HostMemoryTier
 
 pytestmark = [

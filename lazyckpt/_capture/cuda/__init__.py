@@ -3,7 +3,7 @@
 ``device``: the device behind a seam (:class:`DeviceRuntime`) and the waiting primitives;
 ``capture``: side-stream device-to-host captures (:class:`CudaCapture`); ``guard``: the
 stream guard's optimizer step pre-hook. The names are re-exported here. Restoring straight
-into device tensors is restore's (``lazyckpt._restore.device``), built on ``device``.
+into device tensors is restore's (``lazyckpt._restore.restore.device``), built on ``device``.
 """
 
 from .capture import CudaCapture, PendingCapture

@@ -19,8 +19,8 @@ from typing import Any, cast
 
 import torch
 
-from ._capture.optimizers import unwrap_optimizer
-from ._errors import ConfigurationError
+from .._capture.optimizers import unwrap_optimizer
+from .._errors import ConfigurationError
 
 __all__ = ["LazyRestores"]
 

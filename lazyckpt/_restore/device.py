@@ -9,11 +9,7 @@ from typing import cast
 
 import torch
 
-from ..._errors import first_error
-from ..._fetch import Checksum, lend_verified, thread_checksum
-from ..._format.manifest import Manifest, Segment, ShardMeta
-from ..._tiering.interface import Tier
-from .device import (
+from .._capture.cuda.device import (
     DeviceRuntime,
     EventLike,
     PollOptions,
@@ -23,6 +19,10 @@ from .device import (
     in_pool,
     wait_all_regardless,
 )
+from .._errors import first_error
+from .._format.manifest import Manifest, Segment, ShardMeta
+from .._tiering.interface import Tier
+from .fetch import Checksum, lend_verified, thread_checksum
 
 __all__ = ["restore_into"]
 

@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 
-from ._capture.cuda.restore import restore_into
-from ._capture.optimizers import check_optimizer_state
-from ._errors import (
+from .._capture.optimizers import check_optimizer_state
+from .._errors import (
     ConfigurationError,
     CorruptionError,
     LazyCkptError,
@@ -45,7 +44,12 @@ from ._errors import (
     TierError,
     first_error,
 )
-from ._fetch import (
+from .._format.manifest import Manifest, ShardMeta, TensorMeta
+from .._format.walk import JSON, _escape, decode_tree, walk_state
+from .._gc import collector_paused
+from .._tiering.interface import SupportsChecksummedRead, Tier
+from .device import restore_into
+from .fetch import (
     Checksum,
     byte_view,
     committed_steps,
@@ -53,13 +57,9 @@ from ._fetch import (
     read_verified,
     thread_checksum,
 )
-from ._format.manifest import Manifest, ShardMeta, TensorMeta
-from ._format.walk import JSON, _escape, decode_tree, walk_state
-from ._gc import collector_paused
-from ._restore_into import _join, _mismatch, _stateful, apply_into
-from ._restore_keys import WRAPPER_PREFIXES, _items, _key_of, align_into, strip_prefix
-from ._tiering.interface import SupportsChecksummedRead, Tier
-from ._verify_step import VerifyReport, verify_step
+from .into import _join, _mismatch, _stateful, apply_into
+from .keys import WRAPPER_PREFIXES, _items, _key_of, align_into, strip_prefix
+from .verify import VerifyReport, verify_step
 
 __all__ = [
     "WRAPPER_PREFIXES",

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import ConfigurationError, LazyCkptError, StateMismatchError
-from ._format.walk import DataclassValue, Stateful, StatefulValue
+from .._errors import ConfigurationError, LazyCkptError, StateMismatchError
+from .._format.walk import DataclassValue, Stateful, StatefulValue
 
 __all__ = ["apply_into"]
 

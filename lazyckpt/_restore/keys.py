@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._errors import ConfigurationError
-from ._format.manifest import Manifest, TensorMeta
-from ._format.walk import JSON, _escape, decode_tree
-from ._restore_into import _mismatch, _stateful
+from .._errors import ConfigurationError
+from .._format.manifest import Manifest, TensorMeta
+from .._format.walk import JSON, _escape, decode_tree
+from .into import _mismatch, _stateful
 
 __all__ = ["WRAPPER_PREFIXES", "align_into", "strip_prefix"]
 

@@ -25,11 +25,11 @@ from typing import TypeVar, cast
 import crc32c
 import torch
 
-from ._errors import CorruptionError, SnapshotNotFoundError, TierError
-from ._format.manifest import Manifest, ShardMeta
-from ._tiering.arena import Block
-from ._tiering.interface import SupportsBlockRead, SupportsChecksummedRead, Tier, reads_checksummed
-from ._tiering.states import RestoreEvent, RestoreState, advance_restore
+from .._errors import CorruptionError, SnapshotNotFoundError, TierError
+from .._format.manifest import Manifest, ShardMeta
+from .._tiering.arena import Block
+from .._tiering.interface import SupportsBlockRead, SupportsChecksummedRead, Tier, reads_checksummed
+from .._tiering.states import RestoreEvent, RestoreState, advance_restore
 
 __all__ = [
     "Checksum",

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ._errors import CorruptionError, SnapshotNotFoundError, TierError
-from ._fetch import Checksum, find_step, read_copy, shard_keys, thread_checksum
-from ._format.manifest import Manifest
-from ._tiering.interface import SupportsRankManifests, Tier
+from .._errors import CorruptionError, SnapshotNotFoundError, TierError
+from .._format.manifest import Manifest
+from .._tiering.interface import SupportsRankManifests, Tier
+from .fetch import Checksum, find_step, read_copy, shard_keys, thread_checksum
 
 __all__ = ["VerifyReport", "verify_step"]
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ._distributed.chunks import (
+from .._distributed.chunks import (
     DistInfo,
     ReplicatedMarker,
     _chunk,
@@ -48,7 +48,7 @@ from ._distributed.chunks import (
     replicated_info,
     writer_of,
 )
-from ._errors import (
+from .._errors import (
     ConfigurationError,
     CorruptionError,
     SnapshotNotFoundError,
@@ -56,11 +56,11 @@ from ._errors import (
     UnsupportedStateError,
     first_error,
 )
-from ._fetch import Checksum, byte_view, committed_steps, read_verified, thread_checksum
-from ._format.manifest import Manifest, TensorMeta
-from ._format.walk import Stateful, TensorRef, decode_tree, walk_state
-from ._restore import align_into, apply_into, check_optimizers, read_manifest
-from ._tiering.interface import SupportsRankManifests, Tier
+from .._format.manifest import Manifest, TensorMeta
+from .._format.walk import Stateful, TensorRef, decode_tree, walk_state
+from .._tiering.interface import SupportsRankManifests, Tier
+from .fetch import Checksum, byte_view, committed_steps, read_verified, thread_checksum
+from .restore import align_into, apply_into, check_optimizers, read_manifest
 
 __all__ = [
     "DistInfo",
