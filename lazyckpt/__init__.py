@@ -15,7 +15,7 @@ from ._checkpointer import (
     SyncCheckpointer,
 )
 from ._distributed.preemption import DrainReport
-from ._engine import SnapshotStats
+from ._engine.scheduler import SnapshotStats
 from ._errors import (
     CheckpointerClosedError,
     ConfigurationError,

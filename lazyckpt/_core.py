@@ -27,7 +27,7 @@ from ._capture.optimizers import hook_installed, optimizer_shape, unwrap_optimiz
 from ._core_lifecycle import _Lifecycle
 from ._core_steps import _StepOps
 from ._distributed.preemption import PreemptionHandler
-from ._engine import Engine, Flight
+from ._engine.scheduler import Engine, Flight
 from ._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
 from ._format.manifest import Manifest, plan_layout
 from ._format.walk import Columns, KeyCache, TensorRef, walk_state

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ._distributed.preemption import DrainReport, PreemptionHandler
-from ._engine import Engine
+from ._engine.scheduler import Engine
 from ._errors import ConfigurationError, LazyCkptError, SnapshotFailedError
 from ._options import CheckpointerOptions
 from ._restore.lazy import LazyRestores

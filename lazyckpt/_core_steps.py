@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ._capture.optimizers import hook_installed
-from ._engine import Engine
+from ._engine.scheduler import Engine
 from ._errors import (
     ConfigurationError,
     LazyCkptError,

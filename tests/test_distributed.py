@@ -110,7 +110,7 @@ async def test_a_commit_record_not_every_rank_confirmed_is_taken_back(
     import torch
 
     import lazyckpt
-    from lazyckpt import _engine
+    from lazyckpt._engine import scheduler as _engine
     from tiers import FileTier, HostMemoryTier
 
     monkeypatch.setattr(_engine, "distributed_context", lambda requested: (0, 2))

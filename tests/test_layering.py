@@ -47,15 +47,15 @@ def test_public_names_are_exported() -> None:
 # may import modules of its own layer or of a lower one, never of a higher one; imports
 # inside functions and under TYPE_CHECKING count like any other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "hooks", "_loop", "_progress", "_gc"),
+    ("_errors", "hooks", "_progress", "_gc"),
     (
         "_distributed", "_format", "_options", "_metrics",
     ),
     ("_tiering", "tier"),
     (
-        "_flight", "_incremental", "_capture",
+        "_capture",
         "_restore",
-        "_engine_flows", "_engine_commit", "_engine_records", "_engine",
+        "_engine",
     ),
     ("", "_handle", "_core_steps", "_core_lifecycle", "_core", "_checkpointer", "timeline"),
     (

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from ._flight import Flight, Stage
-from ._format.manifest import Manifest, ShardMeta
-from ._format.walk import TensorRef
-from ._tiering.interface import SupportsReferences
+from .._format.manifest import Manifest, ShardMeta
+from .._format.walk import TensorRef
+from .._tiering.interface import SupportsReferences
+from .flight import Flight, Stage
 
 __all__ = ["Increments"]
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from ._format.manifest import Manifest
-from ._format.walk import TensorRef
-from ._tiering.arena import Block
-from ._tiering.interface import Tier
-from ._tiering.states import ShardState
+from .._format.manifest import Manifest
+from .._format.walk import TensorRef
+from .._tiering.arena import Block
+from .._tiering.interface import Tier
+from .._tiering.states import ShardState
 
 __all__ = ["Flight", "SnapshotStats", "Stage"]
 

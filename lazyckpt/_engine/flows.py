@@ -14,15 +14,15 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import hooks
-from ._capture.cpu import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
-from ._flight import Flight
-from ._format.manifest import LayoutOptions, ShardMeta
-from ._incremental import Increments
-from ._restore.fetch import read_copy
-from ._tiering.arena import Block, HostArena
-from ._tiering.interface import SupportsBatchPut, SupportsStaging, Tier, puts_batches
-from ._tiering.states import Event, StateTable, advance
+from .. import hooks
+from .._capture.cpu import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
+from .._format.manifest import LayoutOptions, ShardMeta
+from .._restore.fetch import read_copy
+from .._tiering.arena import Block, HostArena
+from .._tiering.interface import SupportsBatchPut, SupportsStaging, Tier, puts_batches
+from .._tiering.states import Event, StateTable, advance
+from .flight import Flight
+from .incremental import Increments
 
 __all__ = ["_BATCH_BYTES", "_Flows"]
 

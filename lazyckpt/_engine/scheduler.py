@@ -44,30 +44,30 @@ from typing import TypeVar
 
 import torch
 
-from ._capture.cpu import CaptureBackend, ChecksumPool, CpuCapture
-from ._capture.cuda import CudaCapture
-from ._distributed.coordinator import Coordinator, distributed_context
-from ._distributed.placement import join_peers
-from ._engine_commit import _Commits
-from ._engine_flows import _BATCH_BYTES as _BATCH_BYTES
-from ._engine_flows import _Flows
-from ._engine_records import _Records
-from ._errors import (
+from .._capture.cpu import CaptureBackend, ChecksumPool, CpuCapture
+from .._capture.cuda import CudaCapture
+from .._distributed.coordinator import Coordinator, distributed_context
+from .._distributed.placement import join_peers
+from .._errors import (
     CheckpointerClosedError,
     ConfigurationError,
     LazyCkptError,
     SnapshotFailedError,
     TierFullError,
 )
-from ._flight import Flight, SnapshotStats, Stage
-from ._format.manifest import LayoutOptions, Manifest
-from ._incremental import Increments
-from ._loop import EngineLoop
-from ._options import CheckpointerOptions
-from ._tiering.arena import Block, HostArena
-from ._tiering.calls import RetryPolicy, call_tier
-from ._tiering.interface import SupportsStaging, Tier
-from ._tiering.states import StateTable, build_table
+from .._format.manifest import LayoutOptions, Manifest
+from .._options import CheckpointerOptions
+from .._tiering.arena import Block, HostArena
+from .._tiering.calls import RetryPolicy, call_tier
+from .._tiering.interface import SupportsStaging, Tier
+from .._tiering.states import StateTable, build_table
+from .commit import _Commits
+from .flight import Flight, SnapshotStats, Stage
+from .flows import _BATCH_BYTES as _BATCH_BYTES
+from .flows import _Flows
+from .incremental import Increments
+from .loop import EngineLoop
+from .records import _Records
 
 __all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
 

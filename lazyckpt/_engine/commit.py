@@ -14,13 +14,13 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
-from . import hooks
-from ._distributed.coordinator import Coordinator
-from ._errors import ConfigurationError, LazyCkptError, TierBrokenError
-from ._flight import Flight
-from ._incremental import Increments
-from ._options import CheckpointerOptions
-from ._tiering.interface import SupportsGlobalCommit, SupportsReferences, Tier
+from .. import hooks
+from .._distributed.coordinator import Coordinator
+from .._errors import ConfigurationError, LazyCkptError, TierBrokenError
+from .._options import CheckpointerOptions
+from .._tiering.interface import SupportsGlobalCommit, SupportsReferences, Tier
+from .flight import Flight
+from .incremental import Increments
 
 __all__ = ["_Commits"]
 

@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._distributed.coordinator import Coordinator
-from ._errors import LazyCkptError, SnapshotFailedError, TierBrokenError
-from ._flight import Flight, SnapshotStats
-from ._incremental import Increments
-from ._tiering.arena import Block, HostArena
-from ._tiering.interface import SupportsStaging, Tier
+from .._distributed.coordinator import Coordinator
+from .._errors import LazyCkptError, SnapshotFailedError, TierBrokenError
+from .._tiering.arena import Block, HostArena
+from .._tiering.interface import SupportsStaging, Tier
+from .flight import Flight, SnapshotStats
+from .incremental import Increments
 
 __all__ = ["_Records"]
 
