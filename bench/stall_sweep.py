@@ -63,7 +63,7 @@ from common import REPO, GiB, Progress, abab, loadavg, machine_info, scratch_dir
 from e2e import _CLASSES, E2EConfig, _free_port, _LazyDirect, _malloc_trim, _trial
 from model import GPT, GPTConfig, adamw_state_bytes, random_batch
 
-from lazyckpt import _core
+from lazyckpt._checkpointer import core as _core
 
 INTERVALS = [1, 2, 4, 8, 16]
 STEADY_FROM = 2  # intervals from which DCP's stall is its staging copy (see the docstring)

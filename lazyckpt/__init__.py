@@ -6,7 +6,7 @@ flow down a chain of tiers (host memory, local files, Zarr on a parallel file sy
 See ``docs/index.md``.
 """
 
-from ._checkpointer import (
+from ._checkpointer.facades import (
     Checkpointer,
     SnapshotHandle,
     SnapshotInFlightError,

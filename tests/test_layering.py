@@ -57,7 +57,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_restore",
         "_engine",
     ),
-    ("", "_handle", "_core_steps", "_core_lifecycle", "_core", "_checkpointer", "timeline"),
+    ("_checkpointer",),
+    ("", "timeline"),
     (
         "cli",
         "cli._status",

@@ -14,13 +14,8 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt import (
-    CorruptionError,
-    LayoutOptions,
-    Manifest,
-    UnsupportedStateError,
-    _core,
-)
+from lazyckpt import CorruptionError, LayoutOptions, Manifest, UnsupportedStateError
+from lazyckpt._checkpointer import core as _core
 from lazyckpt._format.manifest import plan_layout
 from lazyckpt._format.walk import KeyCache, walk_state
 from lazyckpt._gc import collector_paused

@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._checkpointer import Checkpointer, SnapshotHandle, SyncCheckpointer, _Core
+from .._checkpointer.facades import Checkpointer, SnapshotHandle, SyncCheckpointer, _Core
 from .._errors import ConfigurationError, SnapshotNotFoundError
 from .._format.manifest import Manifest
 from .._format.walk import decode_tree

@@ -64,7 +64,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "lazyckpt.integrations.deepspeed needs DeepSpeed: pip install 'lazyckpt[deepspeed]'"
     ) from exc
 
-from .._checkpointer import SnapshotHandle, SyncCheckpointer
+from .._checkpointer.facades import SnapshotHandle, SyncCheckpointer
 from .._errors import ConfigurationError, CorruptionError, LazyCkptError, SnapshotNotFoundError
 from .._restore.reshard import SupportsRankManifests
 from .._tiering.interface import Tier

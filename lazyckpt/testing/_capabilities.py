@@ -89,7 +89,7 @@ class CapabilityTests(TierSuite):
 
     async def test_retention_through_a_checkpointer(self, make_tier: Callable[[], Tier]) -> None:
         """With ``keep_last=2, keep_every=3``, seven snapshots leave steps 3, 6 and 7."""
-        from .._checkpointer import Checkpointer
+        from .._checkpointer.facades import Checkpointer
 
         tier = make_tier()
         tier.retention = Retention(keep_last=2, keep_every=3)

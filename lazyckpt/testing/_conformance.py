@@ -276,7 +276,7 @@ class TierTests(CapabilityTests):
                 pytest.fail(f"read_shard raised {exc!r}, outside lazyckpt's error tree")
 
     async def test_through_a_checkpointer(self, make_tier: Callable[[], Tier]) -> None:
-        from .._checkpointer import Checkpointer
+        from .._checkpointer.facades import Checkpointer
 
         state = _sample_state(3)
         tier = make_tier()

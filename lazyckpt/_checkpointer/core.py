@@ -21,22 +21,22 @@ from typing import Any
 
 import torch
 
-from ._capture.cpu import EagerPolicy, VerifyingCapture, copy_eager, optimizer_pointers
-from ._capture.cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
-from ._capture.optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
-from ._core_lifecycle import _Lifecycle
-from ._core_steps import _StepOps
-from ._distributed.preemption import PreemptionHandler
-from ._engine.scheduler import Engine, Flight
-from ._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
-from ._format.manifest import Manifest, plan_layout
-from ._format.walk import Columns, KeyCache, TensorRef, walk_state
-from ._gc import collector_paused
-from ._handle import SnapshotHandle
-from ._options import CheckpointerOptions
-from ._restore.lazy import LazyRestores
-from ._restore.reshard import SupportsRankManifests, assign_writers
-from ._tiering.interface import Tier
+from .._capture.cpu import EagerPolicy, VerifyingCapture, copy_eager, optimizer_pointers
+from .._capture.cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
+from .._capture.optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
+from .._distributed.preemption import PreemptionHandler
+from .._engine.scheduler import Engine, Flight
+from .._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
+from .._format.manifest import Manifest, plan_layout
+from .._format.walk import Columns, KeyCache, TensorRef, walk_state
+from .._gc import collector_paused
+from .._options import CheckpointerOptions
+from .._restore.lazy import LazyRestores
+from .._restore.reshard import SupportsRankManifests, assign_writers
+from .._tiering.interface import Tier
+from .handle import SnapshotHandle
+from .lifecycle import _Lifecycle
+from .steps import _StepOps
 
 __all__ = ["_Core", "captures_done", "make_core"]
 

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from ._distributed.preemption import DrainReport, PreemptionHandler
-from ._engine.scheduler import Engine
-from ._errors import ConfigurationError, LazyCkptError, SnapshotFailedError
-from ._options import CheckpointerOptions
-from ._restore.lazy import LazyRestores
+from .._distributed.preemption import DrainReport, PreemptionHandler
+from .._engine.scheduler import Engine
+from .._errors import ConfigurationError, LazyCkptError, SnapshotFailedError
+from .._options import CheckpointerOptions
+from .._restore.lazy import LazyRestores
 
 __all__ = ["_Lifecycle"]
 

@@ -10,19 +10,19 @@ from typing import Any
 
 import torch
 
-from ._capture.optimizers import hook_installed
-from ._engine.scheduler import Engine
-from ._errors import (
+from .._capture.optimizers import hook_installed
+from .._engine.scheduler import Engine
+from .._errors import (
     ConfigurationError,
     LazyCkptError,
     SnapshotInFlightError,
     SnapshotNotFoundError,
 )
-from ._format.walk import TensorRef
-from ._options import CheckpointerOptions
-from ._restore.lazy import LazyRestores
-from ._restore.reshard import needs_resharding, read_base_manifest, restore_resharded
-from ._restore.restore import (
+from .._format.walk import TensorRef
+from .._options import CheckpointerOptions
+from .._restore.lazy import LazyRestores
+from .._restore.reshard import needs_resharding, read_base_manifest, restore_resharded
+from .._restore.restore import (
     VerifyReport,
     committed_steps,
     restore_lazily,

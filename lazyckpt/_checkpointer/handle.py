@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from ._engine.scheduler import Engine, Flight, SnapshotStats
-from ._errors import ConfigurationError, LazyCkptError, SnapshotSkippedError
+from .._engine.scheduler import Engine, Flight, SnapshotStats
+from .._errors import ConfigurationError, LazyCkptError, SnapshotSkippedError
 
 __all__ = ["SnapshotHandle"]
 

@@ -9,20 +9,20 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._capture.cuda import GuardMode
-from ._capture.optimizers import unwrap_optimizer
-from ._core import _Core, captures_done, make_core
-from ._distributed.preemption import DrainReport
-from ._errors import (
+from .._capture.cuda import GuardMode
+from .._capture.optimizers import unwrap_optimizer
+from .._distributed.preemption import DrainReport
+from .._errors import (
     ConfigurationError,
     SnapshotInFlightError,
     SnapshotSkippedError,
     SnapshotSkippedWarning,
 )
-from ._handle import SnapshotHandle
-from ._options import CheckpointerOptions
-from ._restore.restore import VerifyReport
-from ._tiering.interface import Tier
+from .._options import CheckpointerOptions
+from .._restore.restore import VerifyReport
+from .._tiering.interface import Tier
+from .core import _Core, captures_done, make_core
+from .handle import SnapshotHandle
 
 __all__ = [
     "Checkpointer",

@@ -1,0 +1,16 @@
+"""The user-facing Checkpointer: the facades and what they share.
+
+- ``facades``: :class:`Checkpointer` (async) and :class:`SyncCheckpointer`, both bridging to
+  one core.
+- ``core``: the engine and the synchronous half of every operation, which both facades share.
+- ``steps``: the operations on committed steps: restore (eager, lazy, resharding), verify,
+  list and delete, run on the engine loop.
+- ``lifecycle``: how a Checkpointer ends: close, drain, the preemption signal's drain, the
+  close of one dropped unclosed, the close at interpreter exit.
+- ``handle``: a snapshot's handle, its progress as awaitables per stage.
+
+Its options are ``lazyckpt._options``, one level down: the engine and capture read them too.
+
+May import: every package below it (``_errors``, ``hooks``, ``_gc``, ``_distributed``,
+``_format``, ``_options``, ``_tiering``, ``_capture``, ``_restore``, ``_engine``).
+"""
