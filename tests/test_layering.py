@@ -47,7 +47,7 @@ def test_public_names_are_exported() -> None:
 # may import modules of its own layer or of a lower one, never of a higher one; imports
 # inside functions and under TYPE_CHECKING count like any other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "hooks", "_progress", "_gc"),
+    ("_errors", "hooks", "_progress", "_gcpause"),
     (
         "_distributed", "_format", "_options", "_metrics",
     ),

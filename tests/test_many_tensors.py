@@ -18,7 +18,7 @@ from lazyckpt import CorruptionError, LayoutOptions, Manifest, UnsupportedStateE
 from lazyckpt._checkpointer import core as _core
 from lazyckpt._format.manifest import plan_layout
 from lazyckpt._format.walk import KeyCache, walk_state
-from lazyckpt._gc import collector_paused
+from lazyckpt._gcpause import collector_paused
 from tiers import FileTier
 
 

@@ -29,7 +29,7 @@ from .._engine.scheduler import Engine, Flight
 from .._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
 from .._format.manifest import Manifest, plan_layout
 from .._format.walk import Columns, KeyCache, TensorRef, walk_state
-from .._gc import collector_paused
+from .._gcpause import collector_paused
 from .._options import CheckpointerOptions
 from .._restore.lazy import LazyRestores
 from .._restore.reshard import SupportsRankManifests, assign_writers

@@ -48,7 +48,7 @@ import crc32c
 import torch
 
 from .._errors import ConfigurationError, CorruptionError
-from .._gc import collector_paused
+from .._gcpause import collector_paused
 from .columns import (
     _COLUMN_FIELDS,
     _COLUMNS_VERSION,

@@ -11,7 +11,7 @@
 - ``verify``: verifying a step, every shard on every tier that lists it.
 - ``device``: restoring straight into CUDA tensors.
 
-May import: ``lazyckpt._errors``, ``lazyckpt.hooks``, ``lazyckpt._gc``,
+May import: ``lazyckpt._errors``, ``lazyckpt.hooks``, ``lazyckpt._gcpause``,
 ``lazyckpt._distributed``, ``lazyckpt._format``, ``lazyckpt._options``,
 ``lazyckpt._tiering``, ``lazyckpt._capture`` (the optimizers and the CUDA device seam).
 """

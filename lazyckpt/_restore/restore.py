@@ -46,7 +46,7 @@ from .._errors import (
 )
 from .._format.manifest import Manifest, ShardMeta, TensorMeta
 from .._format.walk import JSON, _escape, decode_tree, walk_state
-from .._gc import collector_paused
+from .._gcpause import collector_paused
 from .._tiering.interface import SupportsChecksummedRead, Tier
 from .device import restore_into
 from .fetch import (
