@@ -52,7 +52,7 @@ from common import (
 from lazyckpt import FORMAT_VERSION, Manifest
 from lazyckpt.testing import build_snapshot
 from tiers import ZarrTier
-from tiers._zarr_store import DurableLocalStore
+from tiers.zarr.store import DurableLocalStore
 
 SHARD = 16 * MiB  # the Checkpointer's default shard size
 INFLIGHT = 4  # the Checkpointer's default io_concurrency: puts in flight per tier
@@ -297,7 +297,7 @@ async def raw_chunk_writes(arr: Any, data: np.ndarray[Any, Any], chunk: int) -> 
     INFLIGHT writes at once."""
     from zarr.core.buffer.cpu import Buffer
 
-    from tiers._zarr_codec import _chunk_parts, _join
+    from tiers.zarr.codec import _chunk_parts, _join
 
     raw = memoryview(data).cast("B")
     step = chunk * data.itemsize

@@ -19,7 +19,8 @@ import lazyckpt
 from lazyckpt import SnapshotFailedError
 from lazyckpt._tiering.interface import puts_batches
 from lazyckpt.tier import Manifest, ShardMeta, TierBrokenError
-from tiers import FileTier, HostMemoryTier, _file_io
+from tiers import FileTier, HostMemoryTier
+from tiers.file import io as _file_io
 
 SMALL = {"shard_size": 64 << 10, "pack_bytes": 4096}
 

@@ -19,7 +19,7 @@ import torch
 
 import lazyckpt
 import lazyckpt.testing
-import tiers._file as file_module
+import tiers.file.tier as file_module
 from lazyckpt import TierError
 from tiers import FileTier, HostMemoryTier
 

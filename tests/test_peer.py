@@ -231,7 +231,7 @@ async def test_a_stranger_without_the_jobs_secret_is_dropped(pair: list[PeerTier
     assert holder.address is not None
     import socket
 
-    from tiers._peer import _Conn
+    from tiers.peer.tier import _Conn
 
     conn = _Conn(socket.socket())
     await asyncio.get_running_loop().sock_connect(conn.sock, holder.address)

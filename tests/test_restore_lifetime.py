@@ -17,7 +17,7 @@ from helpers.datafiles import damage_data_file, drop_data_files
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import lazyckpt
-import tiers._file_read as file_read
+import tiers.file.read as file_read
 from lazyckpt.tier import TierLevel
 from tiers import FileTier
 

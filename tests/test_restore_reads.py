@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lazyckpt
-import tiers._file_read as file_read
+import tiers.file.read as file_read
 from lazyckpt import CorruptionError
 from lazyckpt._tiering.interface import reads_checksummed
 from lazyckpt.testing import build_snapshot

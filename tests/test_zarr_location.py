@@ -28,7 +28,7 @@ from lazyckpt import (
 )
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, ZarrTier
-from tiers._zarr_store import DurableLocalStore
+from tiers.zarr.store import DurableLocalStore
 
 __all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 

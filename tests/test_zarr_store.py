@@ -15,7 +15,7 @@ from zarr.testing.store import StoreTests
 
 from lazyckpt import Checkpointer
 from tiers import ZarrTier
-from tiers._zarr_store import DurableLocalStore
+from tiers.zarr.store import DurableLocalStore
 
 
 class TestDurableLocalStore(StoreTests[DurableLocalStore, cpu.Buffer]):

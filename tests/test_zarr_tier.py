@@ -32,8 +32,8 @@ from lazyckpt import (
 )
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, HostMemoryTier, ZarrTier
-from tiers._zarr_dtype import storage_dtype
-from tiers._zarr_layout import node_name, plan_snapshot
+from tiers.zarr.dtype import storage_dtype
+from tiers.zarr.layout import node_name, plan_snapshot
 
 __all__ = ["s3", "s3_server"]  # the fixtures, imported for pytest
 
@@ -319,7 +319,7 @@ async def test_killed_upload_leaves_no_committed_snapshot(
     ],
 )
 async def test_failed_write_commits_nothing(tmp_path: Path, fails: Callable[[str], bool]) -> None:
-    from tiers._zarr_store import DurableLocalStore
+    from tiers.zarr.store import DurableLocalStore
 
     root = tmp_path / "z"
     good = {"w": torch.randn(300, 100), "b": torch.randn(10)}

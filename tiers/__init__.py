@@ -4,9 +4,9 @@ Each registers under the ``lazyckpt.tiers`` entry-point group, the same way a th
 tier does; ``lazyckpt`` itself never imports this package.
 """
 
-from ._file import FileTier
-from ._host import HostMemoryTier
-from ._peer import PeerTier
-from ._zarr import ZarrTier
+from .file.tier import FileTier
+from .host import HostMemoryTier
+from .peer.tier import PeerTier
+from .zarr.tier import ZarrTier
 
 __all__ = ["FileTier", "HostMemoryTier", "PeerTier", "ZarrTier"]

@@ -65,10 +65,10 @@ from lazyckpt.tier import (
     backend_errors,
 )
 
-from ._file_io import ALIGN, address, probe_direct, pwrite, pwrite_many
-from ._file_location import MANIFEST, MARKER, RETIRED, STEP_DIR, marker_document, survey
-from ._file_read import combine, read_piece
-from ._fs import WriterLock, fsync_dir, lock_name, read_small, remove_flat
+from .._fs import WriterLock, fsync_dir, lock_name, read_small, remove_flat
+from .io import ALIGN, address, probe_direct, pwrite, pwrite_many
+from .location import MANIFEST, MARKER, RETIRED, STEP_DIR, marker_document, survey
+from .read import combine, read_piece
 
 __all__ = ["FileTier"]
 

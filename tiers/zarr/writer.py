@@ -15,10 +15,10 @@ from typing import Any
 
 from lazyckpt.tier import FORMAT_VERSION, LocationInUseError, TierBrokenError
 
-from ._fs import WriterLock, lock_name
-from ._zarr_core import ZarrCore
-from ._zarr_layout import _group_doc, _json
-from ._zarr_s3 import _lease_holder
+from .._fs import WriterLock, lock_name
+from .core import ZarrCore
+from .layout import _group_doc, _json
+from .s3 import _lease_holder
 
 
 class ZarrWriter(ZarrCore):

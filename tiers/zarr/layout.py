@@ -20,8 +20,8 @@ import numpy as np
 
 from lazyckpt.tier import FORMAT_VERSION, CorruptionError, Manifest, TensorMeta
 
-from ._zarr_codec import _PackGeometry
-from ._zarr_dtype import _bytes_codec, _fill_value, storage_dtype
+from .codec import _PackGeometry
+from .dtype import _bytes_codec, _fill_value, storage_dtype
 
 _STEP_GROUP = re.compile(r"^step-(\d{12})$")
 _PART_GROUP = re.compile(r"^rank-\d{5}$")

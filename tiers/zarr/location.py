@@ -1,7 +1,7 @@
 """Opening a ZarrTier's location: refuse what another store wrote, create the root and the
 commit index, take the writer's lock or lease, rebuild an index that was lost from the step
 groups whose commit records verify, and sweep what a crash left uncommitted (see
-:mod:`tiers._zarr` for the layout and the commit protocol)."""
+:mod:`tiers.zarr.tier` for the layout and the commit protocol)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from lazyckpt.tier import (
     SnapshotNotFoundError,
 )
 
-from ._zarr_layout import (
+from .layout import (
     _OURS_AT_ROOT,
     _PART_GROUP,
     _STEP_CHILDREN,
@@ -28,7 +28,7 @@ from ._zarr_layout import (
     _step_prefix,
     plan_snapshot,
 )
-from ._zarr_writer import ZarrWriter
+from .writer import ZarrWriter
 
 __all__ = ["ZarrLocation"]
 

@@ -80,9 +80,9 @@ from lazyckpt.tier import (
     place_replicas,
 )
 
-from ._file import FileTier
-from ._peer_holder import _ReplicaHolder
-from ._peer_wire import _ERRORS, _Conn, _own_address
+from ..file.tier import FileTier
+from .holder import _ReplicaHolder
+from .wire import _ERRORS, _Conn, _own_address
 
 __all__ = ["PeerTier"]
 

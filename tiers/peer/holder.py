@@ -22,8 +22,8 @@ from lazyckpt.tier import (
     TierBrokenError,
 )
 
-from ._file import FileTier
-from ._peer_wire import _MAX_HEADER, _Conn, _kind
+from ..file.tier import FileTier
+from .wire import _MAX_HEADER, _Conn, _kind
 
 log = logging.getLogger("lazyckpt")
 

@@ -38,7 +38,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from lazyckpt import hooks
 
-from ._fs import fsync_dir, remove_tree
+from .._fs import fsync_dir, remove_tree
 
 __all__ = ["DurableLocalStore"]
 

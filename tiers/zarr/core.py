@@ -31,9 +31,9 @@ from lazyckpt.tier import (
     backend_errors,
 )
 
-from ._fs import WriterLock, read_small
-from ._zarr_codec import _join, _PackGeometry
-from ._zarr_layout import (
+from .._fs import WriterLock, read_small
+from .codec import _join, _PackGeometry
+from .layout import (
     _documents,
     _geometry_from_document,
     _part_prefix,
@@ -41,8 +41,8 @@ from ._zarr_layout import (
     _step_prefix,
     plan_snapshot,
 )
-from ._zarr_s3 import _s3_settings, _s3_store, _S3Settings
-from ._zarr_store import DurableLocalStore
+from .s3 import _s3_settings, _s3_store, _S3Settings
+from .store import DurableLocalStore
 
 T = TypeVar("T")
 

@@ -39,7 +39,7 @@ import crc32c
 
 from lazyckpt.tier import CorruptionError, ShardMeta, crc32c_combine
 
-from ._file_io import ALIGN
+from .io import ALIGN
 
 __all__ = ["DataFile", "combine", "open_piece", "read_piece"]
 

@@ -93,8 +93,8 @@ from lazyckpt.tier import (
     TierLevel,
 )
 
-from ._zarr_codec import _chunk_parts, _decode_pack_shard, _encode_pack_shard
-from ._zarr_layout import (
+from .codec import _chunk_parts, _decode_pack_shard, _encode_pack_shard
+from .layout import (
     _ChunkTarget,
     _group_doc,
     _pack_document,
@@ -105,8 +105,8 @@ from ._zarr_layout import (
     _rank_name,
     _step_prefix,
 )
-from ._zarr_location import ZarrLocation
-from ._zarr_store import DurableLocalStore
+from .location import ZarrLocation
+from .store import DurableLocalStore
 
 __all__ = ["ZarrTier"]
 
