@@ -6,16 +6,10 @@ flow down a chain of tiers (host memory, local files, Zarr on a parallel file sy
 See ``docs/index.md``.
 """
 
-from ._checkpointer.facades import (
-    Checkpointer,
-    SnapshotHandle,
-    SnapshotInFlightError,
-    SnapshotSkippedError,
-    SnapshotSkippedWarning,
-    SyncCheckpointer,
-)
+from ._checkpointer.facades import Checkpointer, SyncCheckpointer
+from ._checkpointer.handle import SnapshotHandle
 from ._distributed.preemption import DrainReport
-from ._engine.scheduler import SnapshotStats
+from ._engine.flight import SnapshotStats
 from ._errors import (
     CheckpointerClosedError,
     ConfigurationError,
@@ -28,7 +22,10 @@ from ._errors import (
     LazyCkptError,
     LocationInUseError,
     SnapshotFailedError,
+    SnapshotInFlightError,
     SnapshotNotFoundError,
+    SnapshotSkippedError,
+    SnapshotSkippedWarning,
     StateMismatchError,
     TierBrokenError,
     TierClosedError,
@@ -36,14 +33,8 @@ from ._errors import (
     TierFullError,
     UnsupportedStateError,
 )
-from ._format.manifest import (
-    FORMAT_VERSION,
-    LayoutOptions,
-    Manifest,
-    Segment,
-    ShardMeta,
-    TensorMeta,
-)
+from ._format.entries import Segment, ShardMeta, TensorMeta
+from ._format.manifest import FORMAT_VERSION, LayoutOptions, Manifest
 from ._format.walk import Stateful
 from ._metrics import (
     LOG_FORMAT,
@@ -53,8 +44,9 @@ from ._metrics import (
     install_log_context,
 )
 from ._options import CheckpointerOptions
+from ._restore.keys import strip_prefix
 from ._restore.reshard import Replicated
-from ._restore.restore import VerifyReport, strip_prefix
+from ._restore.verify import VerifyReport
 from ._tiering.arena import ArenaStats, Block, HostArena
 from ._tiering.interface import (
     ENTRY_POINT_GROUP,

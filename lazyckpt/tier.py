@@ -56,7 +56,8 @@ from ._errors import (
     TierFullError,
 )
 from ._format.crc import crc32c_combine
-from ._format.manifest import FORMAT_VERSION, Manifest, Segment, ShardMeta, TensorMeta
+from ._format.entries import Segment, ShardMeta, TensorMeta
+from ._format.manifest import FORMAT_VERSION, Manifest
 from ._tiering.arena import Block, HostArena
 from ._tiering.interface import (
     ENTRY_POINT_GROUP,

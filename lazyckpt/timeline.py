@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._checkpointer.facades import SnapshotHandle
+    from ._checkpointer.handle import SnapshotHandle
 
 __all__ = ["FORMAT", "VERSION", "TimelineRecorder", "draw", "load_events"]
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from lazyckpt import HostArena, LayoutOptions, Manifest
 from lazyckpt._capture import cpu as _capture
 from lazyckpt._capture.cpu import CaptureJob, copy_into_blocks, source_view
-from lazyckpt._format.manifest import LayoutOptions, Manifest, plan_layout
+from lazyckpt._format.manifest import plan_layout
 from lazyckpt._format.walk import TensorRef, walk_state
-from lazyckpt._tiering.arena import HostArena
 
 SHARD = 256 << 10  # rows chunks above the locked-copy size, packs below it
 

@@ -1,6 +1,6 @@
 """The scheduling logic of the CUDA capture path, on a fake device.
 
-``_cuda.CudaCapture`` reaches the device only through a ``DeviceRuntime``. The fake one here
+``_capture.cuda.CudaCapture`` reaches the device only through a ``DeviceRuntime``. The fake one here
 defers every "device" copy until its event completes (as a DMA would) and completes events
 in stream order, only when the test allows it. So these tests run anywhere and check what a
 GPU run relies on: polling with back-off and never blocking, the in-flight bound and the

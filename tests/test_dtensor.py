@@ -14,7 +14,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import CorruptionError, Manifest
-from lazyckpt._restore.reshard import writer_of
+from lazyckpt._distributed.chunks import writer_of
 from tiers import FileTier
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,44 +44,27 @@ def test_public_names_are_exported() -> None:
         assert hasattr(lazyckpt, name), name
 
 
-# The layers of the package, lowest first (docs/design.md, "Dependency direction"). A module
-# may import modules of its own layer or of a lower one, never of a higher one; imports
-# inside functions and under TYPE_CHECKING count like any other.
+# The packages of lazyckpt, lowest first (docs/design.md opens with this picture). A module
+# may import modules of its own package or layer, or of a lower one, never of a higher one;
+# imports inside functions and under TYPE_CHECKING count like any other. Inside a package
+# the modules may import each other, without cycles (test_no_import_cycles).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_errors", "hooks", "_progress", "_gcpause"),
-    (
-        "_distributed", "_format", "_options", "_metrics",
-    ),
-    ("_tiering", "tier"),
-    (
-        "_capture",
-        "_restore",
-        "_engine",
-    ),
-    ("_checkpointer",),
-    ("", "timeline"),
-    (
-        "cli",
-        "cli._status",
-        "cli._console",
-        "cli._location",
-        "cli._read",
-        "cli._formats",
-        "cli._inspect",
-        "cli._verify",
-        "cli._export",
-        "cli._write",
-        "cli._import",
-        "cli._copy",
-        "cli._gc",
-        "cli._timeline",
-        "cli._main",
-        "cli.__main__",
-        "__main__",
-        "integrations",
-        "testing",
-    ),
+    ("_errors", "hooks", "_progress", "_gcpause", "_metrics"),  # leaves
+    ("_distributed",),  # the ranks: coordinator, chunk records, placement, preemption
+    ("_format",),  # state walk, tagged values, manifest and its encodings, crc joining
+    ("_options",),  # the Checkpointer's options, read by everything above
+    ("_tiering",),  # the tier contract, shard states, host arena, tier calls
+    ("tier",),  # the contract's public face, for tier authors
+    ("_capture",),  # CPU and CUDA capture, the guard's optimizers
+    ("_restore",),  # restore, verified fetch, keys and into, lazy, reshard, verify
+    ("_engine",),  # the scheduler: loop, flights, flows, commits, records, incremental
+    ("_checkpointer",),  # the facades, their core, step operations, lifecycle, handles
+    ("", "timeline"),  # the public names
+    ("cli", "integrations", "testing", "__main__"),  # users of the public names
 )
+
+# the subpackages, each with a docstring that says what it may import
+SUBPACKAGES = ("_distributed", "_format", "_tiering", "_capture", "_restore", "_engine", "_checkpointer")
 
 
 def _module_name(path: Path) -> str:
@@ -142,6 +126,39 @@ def test_imports_point_down_the_layers() -> None:
         if _layer(t) > _layer(m)
     ]
     assert not upward, upward
+
+
+def test_each_subpackage_says_what_it_may_import() -> None:
+    # the "May import:" line of each subpackage's docstring is the truth the layers allow,
+    # and the package imports nothing it does not name there
+    found = _imports()
+    for package in SUBPACKAGES:
+        doc = (PACKAGE / package / "__init__.py").read_text()
+        assert doc.startswith('"""'), package
+        line = doc[doc.index("May import:") :].split(".\n", 1)[0]
+        allowed = set(re.findall(r"``([\w.]+)``", line))
+        assert allowed, package
+        for name in allowed:
+            assert _layer(name) < _layer(package), f"{package} says it may import {name}, a layer above"
+        used = {
+            t.split(".")[0]
+            for m, targets in found.items()
+            if m.split(".")[0] == package
+            for t in targets
+            if t.split(".")[0] != package
+        }
+        assert used <= allowed, f"{package} imports {sorted(used - allowed)} beyond its docstring"
+    listed = {p.parent.name for p in PACKAGE.glob("_*/__init__.py")}
+    assert listed == set(SUBPACKAGES), listed ^ set(SUBPACKAGES)
+
+
+def test_the_top_holds_public_modules_and_a_few_leaves() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
+    layered = {name for layer in LAYERS for name in layer}
+    for name in top:
+        stem = name.removesuffix(".py").replace("__init__", "")
+        assert stem in layered, f"lazyckpt/{name} is in no layer"
 
 
 def test_no_import_cycles() -> None:

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt._engine.scheduler import Flight
+from lazyckpt import LayoutOptions, Segment, TensorMeta
+from lazyckpt._engine.flight import Flight
 from lazyckpt._format import manifest as _manifest
-from lazyckpt._format.manifest import LayoutOptions, Segment, TensorMeta, plan_layout
+from lazyckpt._format.manifest import plan_layout
 from lazyckpt._format.walk import Columns, walk_state
 from tiers import HostMemoryTier
 

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 import lazyckpt
 from lazyckpt import ConfigurationError, LayoutOptions, StateMismatchError, UnsupportedStateError
 from lazyckpt._format.manifest import plan_layout
-from lazyckpt._format.walk import INLINE_ARRAY_BYTES, DataclassValue, walk_state
-from lazyckpt._restore.keys import _prefix_map
-from lazyckpt._restore.restore import align_into
+from lazyckpt._format.values import INLINE_ARRAY_BYTES, DataclassValue
+from lazyckpt._format.walk import walk_state
+from lazyckpt._restore.keys import _prefix_map, align_into
 from tiers import FileTier, HostMemoryTier
 
 SMALL = {"shard_size": 1 << 16, "pack_bytes": 4096}

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from lazyckpt import CorruptionError, UnsupportedStateError
-from lazyckpt._format.walk import INLINE_ARRAY_BYTES, decode_tree, walk_state
+from lazyckpt._format.values import INLINE_ARRAY_BYTES, decode_tree
+from lazyckpt._format.walk import walk_state
 
 scalars = (
     st.none()

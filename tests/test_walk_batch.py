@@ -18,7 +18,8 @@ import lazyckpt
 from lazyckpt import CorruptionError, UnsupportedStateError
 from lazyckpt._format import values as _tree_values
 from lazyckpt._format import walk as _tree
-from lazyckpt._format.walk import Columns, KeyCache, decode_tree, walk_state
+from lazyckpt._format.values import decode_tree
+from lazyckpt._format.walk import Columns, KeyCache, walk_state
 from tiers import FileTier
 
 

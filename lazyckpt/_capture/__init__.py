@@ -7,6 +7,5 @@
 - ``optimizers``: the optimizers a guard watches (the torch optimizer behind a wrapper, the
   wait moved behind a step's closure, shape changes), and those a lazy restore fills.
 
-May import: ``lazyckpt._errors``, ``lazyckpt.hooks``, ``lazyckpt._distributed``,
-``lazyckpt._format``, ``lazyckpt._options``, ``lazyckpt._tiering``.
+May import: ``_errors``, ``hooks``, ``_distributed``, ``_format``, ``_options``, ``_tiering``.
 """

@@ -3,7 +3,7 @@ and the checksum stage that follows them.
 
 The engine calls ``await backend.capture(job)``; it returns once the shard's bytes are in
 its block and no copy writes there any more. This is the seam where the CUDA path plugs in
-(``_cuda.py``: a side-stream device-to-host copy whose completion event the scheduler
+(``_capture.cuda``: a side-stream device-to-host copy whose completion event the scheduler
 polls); the CPU path copies in a bounded thread pool (torch's ``copy_`` releases the GIL).
 Either way the version counters are checked *after* the copy: a tensor changed in place
 before its capture finished fails the snapshot with :class:`ImmutabilityViolationError`.
@@ -38,7 +38,8 @@ import crc32c
 import torch
 
 from .._errors import ConfigurationError, ImmutabilityViolationError
-from .._format.manifest import Manifest, Segment, ShardMeta
+from .._format.entries import Segment, ShardMeta
+from .._format.manifest import Manifest
 from .._format.walk import TensorRef
 from .._options import CheckpointerOptions, compile_patterns
 from .._tiering.arena import Block
@@ -310,7 +311,7 @@ class ChecksumPool:
 
     async def checksum_bytes(self, data: memoryview) -> int:
         """The crc32c of ``data`` (a shard read back from a tier, for a restore or a
-        re-fetch): the ``Checksum`` the readers of ``_fetch`` take. Cancelling it leaves
+        re-fetch): the ``Checksum`` the readers of ``_restore.fetch`` take. Cancelling it leaves
         the thread to finish reading; it writes nothing."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, crc32c.crc32c, data)

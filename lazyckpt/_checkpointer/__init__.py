@@ -11,6 +11,6 @@
 
 Its options are ``lazyckpt._options``, one level down: the engine and capture read them too.
 
-May import: every package below it (``_errors``, ``hooks``, ``_gc``, ``_distributed``,
-``_format``, ``_options``, ``_tiering``, ``_capture``, ``_restore``, ``_engine``).
+May import: ``_errors``, ``hooks``, ``_gcpause``, ``_distributed``, ``_format``, ``_options``,
+``_tiering``, ``_capture``, ``_restore``, ``_engine``.
 """

@@ -1,11 +1,11 @@
 """What both Checkpointer facades share: the engine and the synchronous half of every
-operation (:class:`_Core`). The facades (``_checkpointer``) only bridge to it: the async one
+operation (:class:`_Core`). The facades (``_checkpointer.facades``) only bridge to it: the async one
 awaits the engine loop, the synchronous one blocks on it.
 
 Here: opening, snapshot's synchronous half (walk, eager copies, the plan and its cache) and
 the guard. The operations on committed steps (restore, verify, list, delete) are
-``_core_steps._StepOps``; close, drain, preemption and exit handling are
-``_core_lifecycle._Lifecycle``; ``_Core`` joins the three."""
+``_checkpointer.steps._StepOps``; close, drain, preemption and exit handling are
+``_checkpointer.lifecycle._Lifecycle``; ``_Core`` joins the three."""
 
 from __future__ import annotations
 
@@ -25,15 +25,16 @@ from .._capture.cpu import EagerPolicy, VerifyingCapture, copy_eager, optimizer_
 from .._capture.cuda import CudaCapture, GuardMode, resolve_guard_mode, stream_guard_hook
 from .._capture.optimizers import hook_installed, optimizer_shape, unwrap_optimizer, wrap_closure
 from .._distributed.preemption import PreemptionHandler
-from .._engine.scheduler import Engine, Flight
+from .._engine.flight import Flight
+from .._engine.scheduler import Engine
 from .._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
 from .._format.manifest import Manifest, plan_layout
 from .._format.walk import Columns, KeyCache, TensorRef, walk_state
 from .._gcpause import collector_paused
 from .._options import CheckpointerOptions
 from .._restore.lazy import LazyRestores
-from .._restore.reshard import SupportsRankManifests, assign_writers
-from .._tiering.interface import Tier
+from .._restore.reshard import assign_writers
+from .._tiering.interface import SupportsRankManifests, Tier
 from .handle import SnapshotHandle
 from .lifecycle import _Lifecycle
 from .steps import _StepOps

@@ -1,5 +1,5 @@
 """The public API: :class:`Checkpointer` (async), :class:`SyncCheckpointer`, and
-:class:`SnapshotHandle` (from ``_handle``). Both facades bridge to one ``_core._Core``."""
+:class:`SnapshotHandle` (from ``_checkpointer.handle``). Both facades bridge to one ``_checkpointer.core._Core``."""
 
 from __future__ import annotations
 
@@ -10,30 +10,17 @@ from typing import Any, TypeVar
 import torch
 
 from .._capture.cuda import GuardMode
-from .._capture.optimizers import unwrap_optimizer
 from .._distributed.preemption import DrainReport
 from .._errors import (
     ConfigurationError,
-    SnapshotInFlightError,
-    SnapshotSkippedError,
-    SnapshotSkippedWarning,
 )
 from .._options import CheckpointerOptions
-from .._restore.restore import VerifyReport
+from .._restore.verify import VerifyReport
 from .._tiering.interface import Tier
-from .core import _Core, captures_done, make_core
+from .core import captures_done, make_core
 from .handle import SnapshotHandle
 
-__all__ = [
-    "Checkpointer",
-    "SnapshotHandle",
-    "SnapshotInFlightError",
-    "SnapshotSkippedError",
-    "SnapshotSkippedWarning",
-    "SyncCheckpointer",
-    "_Core",
-    "unwrap_optimizer",
-]
+__all__ = ["Checkpointer", "SyncCheckpointer"]
 
 T = TypeVar("T")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from .._engine.scheduler import Engine, Flight, SnapshotStats
+from .._engine.flight import Flight, SnapshotStats
+from .._engine.scheduler import Engine
 from .._errors import ConfigurationError, LazyCkptError, SnapshotSkippedError
 
 __all__ = ["SnapshotHandle"]

@@ -1,7 +1,7 @@
 """How a Checkpointer ends, which both facades share: close, drain, the preemption
 signal's drain, the close of one its owner dropped without closing it, and the close at
 interpreter exit of one its owner never closed (:class:`_Lifecycle`, a part of
-``_core._Core``).
+``_checkpointer.core._Core``).
 
 A Checkpointer its owner drops while it is open (a helper function that opened one and
 returned, ``del ckpt``) is closed when its facade is collected: the facade's finalizer

@@ -1,6 +1,6 @@
 """The operations on committed steps both facades share: restore (eager, lazy or
 resharding), verify, list and delete, each run on the engine loop (:class:`_StepOps`, a
-part of ``_core._Core``)."""
+part of ``_checkpointer.core._Core``)."""
 
 from __future__ import annotations
 
@@ -20,15 +20,11 @@ from .._errors import (
 )
 from .._format.walk import TensorRef
 from .._options import CheckpointerOptions
+from .._restore.fetch import committed_steps
 from .._restore.lazy import LazyRestores
 from .._restore.reshard import needs_resharding, read_base_manifest, restore_resharded
-from .._restore.restore import (
-    VerifyReport,
-    committed_steps,
-    restore_lazily,
-    restore_state,
-    verify_step,
-)
+from .._restore.restore import restore_lazily, restore_state
+from .._restore.verify import VerifyReport, verify_step
 
 __all__ = ["_StepOps"]
 

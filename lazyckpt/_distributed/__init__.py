@@ -7,6 +7,6 @@
 - ``placement``: which node a rank is on and which ranks hold its replicas (peer tiers).
 - ``preemption``: draining on demand and on a preemption signal.
 
-May import: ``lazyckpt._errors`` only. Everything above builds on it; it knows nothing of
-the format, the tiers or the engine.
+May import: ``_errors``.
+Everything above builds on it; it knows nothing of the format, the tiers or the engine.
 """

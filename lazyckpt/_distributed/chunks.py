@@ -5,8 +5,8 @@ the manifest records where that chunk lies in the global tensor (:class:`DistInf
 tensor marked replicated (:class:`ReplicatedMarker`, the base of the public
 :class:`lazyckpt.Replicated`) is written by one rank only (:func:`writer_of`).
 
-This module sits below the state walk (``_tree``), which needs these to describe tensors;
-restoring and resharding (``_dtensor``) sit above it. It imports nothing of lazyckpt but
+This module sits below the state walk (``_format.walk``), which needs these to describe tensors;
+restoring and resharding (``_restore.reshard``) sit above it. It imports nothing of lazyckpt but
 the errors.
 """
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from .._errors import ConfigurationError, CoordinationError, DeadlineExceededError
 
-__all__ = ["CoordinationError", "Coordinator", "distributed_context"]
+__all__ = ["Coordinator", "distributed_context"]
 
 T = TypeVar("T")
 

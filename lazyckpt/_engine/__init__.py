@@ -12,7 +12,7 @@
 - ``incremental``: which shards a tier already holds and which need no capture, decided
   per flight (it reads and writes the flight's bookkeeping, so it lives beside it).
 
-May import: every package below it: ``lazyckpt._errors``, ``lazyckpt.hooks``,
-``lazyckpt._distributed``, ``lazyckpt._format``, ``lazyckpt._options``,
-``lazyckpt._tiering``, ``lazyckpt._capture``, ``lazyckpt._restore`` (the verified fetch).
+May import: ``_errors``, ``hooks``, ``_distributed``, ``_format``, ``_options``, ``_tiering``,
+``_capture``, ``_restore``.
+The engine re-reads stored shards through restore's verified fetch.
 """

@@ -1,7 +1,7 @@
 """The engine's commits and what follows them: committing a flight's manifest on a stage,
 the ranks' agreement on each step (distributed runs), retention passes, deleting a step
 on a tier and collecting the data no step refers to any more (:class:`_Commits`, a part of
-``_engine.Engine``)."""
+``_engine.scheduler.Engine``)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ class _Commits:
 
     async def _coordinate(self, stage: int) -> None:
         """Decide, with every other rank and in step order, whether each flight is
-        committed on this stage's tier (see ``_distributed``)."""
+        committed on this stage's tier (see ``_distributed.coordinator``)."""
         assert self.coordinator is not None
         tier = self.tier_of(stage)
         while True:

@@ -1,7 +1,7 @@
 """The engine's host stage and each shard's way through the tiers: capture (one job per
 batch on the CPU path, one flow per shard otherwise), checksum, the host tier, then each
 durable tier in chain order, reading a shard evicted meanwhile back from the tier before
-(:class:`_Flows`, a part of ``_engine.Engine``; the module docstring of ``_engine`` tells
+(:class:`_Flows`, a part of ``_engine.scheduler.Engine``; the module docstring of ``_engine.scheduler`` tells
 the whole way)."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import hooks
 from .._capture.cpu import BatchCapture, CaptureBackend, CaptureJob, ChecksumPool
-from .._format.manifest import LayoutOptions, ShardMeta
+from .._format.entries import ShardMeta
+from .._format.manifest import LayoutOptions
 from .._restore.fetch import read_copy
 from .._tiering.arena import Block, HostArena
 from .._tiering.interface import SupportsBatchPut, SupportsStaging, Tier, puts_batches
@@ -433,7 +434,7 @@ class _Flows:
 
     async def _refetch(self, flight: Flight, shard: ShardMeta, stage: int) -> Block:
         """Read an evicted shard back from the tier of ``stage`` into a new block, verified
-        (``_fetch``), under that tier's deadline and retries."""
+        (``_restore.fetch``), under that tier's deadline and retries."""
         tier = self.tier_of(stage)
         block = await self.arena.allocate(shard.length)
 

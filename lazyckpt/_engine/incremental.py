@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .._format.manifest import Manifest, ShardMeta
+from .._format.entries import ShardMeta
+from .._format.manifest import Manifest
 from .._format.walk import TensorRef
 from .._tiering.interface import SupportsReferences
 from .flight import Flight, Stage

@@ -1,7 +1,7 @@
 """How the engine ends a flight and what it counts: aborting a failed snapshot on the
 tiers and reporting it once, giving a host-only chain's blocks back in step order, the
 history of finished snapshots, and the metrics (:class:`_Records`, a part of
-``_engine.Engine``)."""
+``_engine.scheduler.Engine``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The scheduler: moves every shard of every snapshot through the tiers, on the engine loop.
 
 One ``Engine`` belongs to one Checkpointer. Everything here runs on the engine's own loop
-thread (``_loop.EngineLoop``) except the few methods marked *any thread*, which only touch
+thread (``_engine.loop.EngineLoop``) except the few methods marked *any thread*, which only touch
 thread-safe futures and a lock.
 
 A snapshot in flight is a :class:`Flight`. Its coroutine starts each durable tier's
@@ -15,7 +15,7 @@ launch-bound training thread pays for (see "The host stage" below). Nothing a ti
 or hung tier holds training up only once the arena is full. The snapshot counts as
 captured (the guard lets the optimizer go on) once every shard is copied; the checksums
 follow on a pool of their own, off that critical path, and no tier sees a shard before its
-checksum is known. Each shard state change goes through the state table (``_state``); the
+checksum is known. Each shard state change goes through the state table (``_tiering.states``); the
 flow never decides a rule itself. When the last shard reaches a tier, that tier commits the
 snapshot's manifest. On a host-only chain the host tier is the last one: a snapshot takes
 its arena space whole and counts as committed only if the host tier keeps it.
@@ -24,7 +24,7 @@ Every task belongs to the engine's task group; failures are recorded on the flig
 from its handle, logged once, and queued for the failure policy (``on_failure="raise"``:
 the next ``snapshot()``, ``wait_captured()`` or ``aclose()`` raises it; never the guard).
 
-Incremental snapshots (``incremental=True`` or ``"versions"``; ``_incremental`` holds the
+Incremental snapshots (``incremental=True`` or ``"versions"``; ``_engine.incremental`` holds the
 bases, pins and skipped captures, docs/design.md the reasons): before a shard's put on a tier that supports
 references, the flow asks whether the tier's newest committed step holds the same bytes;
 if so the manifest refers to them and nothing is written. In ``"versions"`` mode a shard
@@ -58,7 +58,7 @@ from .._errors import (
 from .._format.manifest import LayoutOptions, Manifest
 from .._options import CheckpointerOptions
 from .._tiering.arena import Block, HostArena
-from .._tiering.calls import RetryPolicy, call_tier
+from .._tiering.calls import call_tier
 from .._tiering.interface import SupportsStaging, Tier
 from .._tiering.states import StateTable, build_table
 from .commit import _Commits
@@ -69,7 +69,7 @@ from .incremental import Increments
 from .loop import EngineLoop
 from .records import _Records
 
-__all__ = ["Engine", "Flight", "RetryPolicy", "SnapshotStats", "call_tier"]
+__all__ = ["Engine"]
 
 log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
@@ -77,8 +77,8 @@ T = TypeVar("T")
 
 class Engine(_Flows, _Commits, _Records):
     """See the module docstring. Built by the Checkpointer; not public. Its parts: the
-    shard flows (``_engine_flows``), commits, coordination and retention
-    (``_engine_commit``), finishing and metrics (``_engine_records``)."""
+    shard flows (``_engine.flows``), commits, coordination and retention
+    (``_engine.commit``), finishing and metrics (``_engine.records``)."""
 
     def __init__(self, tiers: Sequence[Tier], options: CheckpointerOptions) -> None:
         tiers = list(tiers)

@@ -8,6 +8,7 @@ records it.
 - ``columns``: the column encoding of a manifest (format version 5).
 - ``crc``: joining crc32c checksums of pieces into the checksum of the whole.
 
-May import: ``lazyckpt._errors``, ``lazyckpt._gcpause``, ``lazyckpt._distributed``. Nothing here
-does I/O or knows a tier; a tier that must read manifests gets them from ``lazyckpt.tier``.
+May import: ``_errors``, ``_gcpause``, ``_distributed``.
+Nothing here does I/O or knows a tier; a tier that must read manifests gets them from
+``lazyckpt.tier``.
 """

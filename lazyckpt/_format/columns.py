@@ -18,7 +18,8 @@ import crc32c
 
 from .._errors import CorruptionError
 from .entries import _DIGEST, Mode, Segment, ShardMeta, TensorMeta, _decode_dist, _int
-from .walk import JSON, dtype_from_name
+from .values import dtype_from_name
+from .walk import JSON
 
 # -- the column encoding (format version 5) ----------------------------------------------------
 #
@@ -36,7 +37,7 @@ _LETTER_KINDS: dict[str, Literal["pack", "chunk"]] = {"p": "pack", "c": "chunk"}
 
 # The fields the columns spell out. A field added to one of these classes that the columns do
 # not know yet makes to_json write the rows (which carry it) until the columns learn it, so
-# that no field is ever dropped on the way to disk (``_manifest._COLUMNS_HOLD_EVERY_FIELD``).
+# that no field is ever dropped on the way to disk (``_format.manifest._COLUMNS_HOLD_EVERY_FIELD``).
 _COLUMN_FIELDS = {
     "Manifest": (
         "step", "tree", "tensors", "shards", "stream_bytes", "rank", "world_size", "created",
@@ -259,7 +260,7 @@ def _pairs(doc: dict[str, Any], name: str, count: int) -> list[list[Any]]:
 
 def _decode_columns(doc: dict[str, Any]) -> tuple[tuple[TensorMeta, ...], tuple[ShardMeta, ...]]:
     """The tensors and shards of a manifest in the column encoding, checking what the row
-    decoder checks; ``_manifest`` builds the manifest from them and the document's scalars."""
+    decoder checks; ``_format.manifest`` builds the manifest from them and the document's scalars."""
     cols, scols = doc["tensors"], doc["shards"]
     if type(cols) is not dict or type(scols) is not dict:
         raise CorruptionError("format 5 keeps 'tensors' and 'shards' as objects of columns")

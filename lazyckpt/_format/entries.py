@@ -3,7 +3,7 @@ the checks of their fields that both manifest encodings share.
 
 What a segment's ``start:stop`` counts, by tensor mode, is defined on :class:`TensorMeta`
 and nowhere else. ``lazyckpt._format.manifest`` builds the manifest from these entries and re-exports
-them; the column encoding (``_manifest_columns``) builds them too, so they live below both.
+them; the column encoding (``_format.columns``) builds them too, so they live below both.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from .._errors import CorruptionError
-from .walk import dtype_from_name
+from .values import dtype_from_name
 
 __all__ = ["Mode", "Segment", "ShardMeta", "TensorMeta"]
 

@@ -30,8 +30,8 @@ written for states of many tensors, where it is a fraction of the size and parse
 fraction of the time (no object per tensor in the JSON, the checks run over whole lists).
 
 Here: the layout planner, the :class:`Manifest` and its row encoding. The entries of a
-manifest and the checks of their fields are in ``_manifest_entries``, the column encoding in
-``_manifest_columns``; their public names are re-exported here.
+manifest and the checks of their fields are in ``_format.entries``, the column encoding in
+``_format.columns``.
 """
 
 from __future__ import annotations
@@ -67,18 +67,10 @@ from .entries import (
     _indexes,
     _int,
 )
-from .walk import JSON, TensorRef, dtype_from_name, dtype_name
+from .values import dtype_from_name, dtype_name
+from .walk import JSON, TensorRef
 
-__all__ = [
-    "COMPACT_TENSORS",
-    "FORMAT_VERSION",
-    "LayoutOptions",
-    "Manifest",
-    "Segment",
-    "ShardMeta",
-    "TensorMeta",
-    "plan_layout",
-]
+__all__ = ["COMPACT_TENSORS", "FORMAT_VERSION", "LayoutOptions", "Manifest", "plan_layout"]
 
 # The newest this lazyckpt reads: 2 added the distributed fields, 3 the value-tree tags of
 # trainer state (numpy arrays, generators, dataclasses), 4 the shards an incremental
@@ -460,7 +452,7 @@ def _manifest_of(
 
 
 # Whether the column encoding spells out every field of the manifest's classes (see
-# ``_manifest_columns._COLUMN_FIELDS``); if not, to_json writes the rows.
+# ``_format.columns._COLUMN_FIELDS``); if not, to_json writes the rows.
 _COLUMNS_HOLD_EVERY_FIELD = all(
     tuple(f.name for f in dataclasses.fields(cls)) == _COLUMN_FIELDS[cls.__name__]
     for cls in (Manifest, TensorMeta, ShardMeta, Segment)

@@ -1,4 +1,4 @@
-"""Tagged JSON: the value tree a state walks into (``_tree``), and building it back.
+"""Tagged JSON: the value tree a state walks into (``_format.walk``), and building it back.
 
 Plain values are stored as *tagged JSON*, so that restoring never executes code:
 
@@ -31,7 +31,7 @@ anything else       ``{"$pickle": "<base64>"}`` only with ``allow_pickle=True``
 Restoring builds only the types above and never imports or calls anything named in the
 checkpoint: a dataclass comes back as a :class:`DataclassValue` (a dict of its fields, which
 ``restore(into=...)`` writes into a live instance), numpy bit generators are rebuilt only
-from numpy's own list of them. The walk that writes these tags is ``_tree``'s.
+from numpy's own list of them. The walk that writes these tags is ``_format.walk``'s.
 """
 
 from __future__ import annotations

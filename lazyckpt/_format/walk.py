@@ -6,7 +6,7 @@ A state is a nested structure of mappings, lists, tuples, tensors, ``Stateful`` 
 - a JSON document (the *tree*) in which every tensor is replaced by ``{"$tensor": i}``;
 - a list of :class:`TensorRef`, one per distinct tensor, in walk order.
 
-Plain values are stored as *tagged JSON* (``_tree_values`` lists the tags and decodes them),
+Plain values are stored as *tagged JSON* (``_format.values`` lists the tags and decodes them),
 so that restoring never executes code. numpy arrays are copied when ``snapshot()`` walks the
 state, not captured lazily: numpy writes bypass torch's version counter, so a later in-place
 write could not be detected.
@@ -35,27 +35,11 @@ from .values import (
     _ARRAY_KINDS,
     _DTYPE_NAMES,
     INLINE_ARRAY_BYTES,
-    DataclassValue,
-    StatefulValue,
-    decode_tree,
-    dtype_from_name,
     dtype_name,
 )
 from .values import JSON as JSON  # re-exported: the format modules import it from here
 
-__all__ = [
-    "INLINE_ARRAY_BYTES",
-    "Columns",
-    "DataclassValue",
-    "KeyCache",
-    "Stateful",
-    "StatefulValue",
-    "TensorRef",
-    "decode_tree",
-    "dtype_from_name",
-    "dtype_name",
-    "walk_state",
-]
+__all__ = ["Columns", "KeyCache", "Stateful", "TensorRef", "walk_state"]
 
 
 @runtime_checkable

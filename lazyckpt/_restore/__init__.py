@@ -11,7 +11,8 @@
 - ``verify``: verifying a step, every shard on every tier that lists it.
 - ``device``: restoring straight into CUDA tensors.
 
-May import: ``lazyckpt._errors``, ``lazyckpt.hooks``, ``lazyckpt._gcpause``,
-``lazyckpt._distributed``, ``lazyckpt._format``, ``lazyckpt._options``,
-``lazyckpt._tiering``, ``lazyckpt._capture`` (the optimizers and the CUDA device seam).
+May import: ``_errors``, ``hooks``, ``_gcpause``, ``_distributed``, ``_format``, ``_options``,
+``_tiering``, ``_capture``.
+Restore uses capture's optimizers (a lazy restore fills guarded ones) and its CUDA device
+seam (a restore into device tensors).
 """

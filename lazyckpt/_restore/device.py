@@ -20,7 +20,8 @@ from .._capture.cuda.device import (
     wait_all_regardless,
 )
 from .._errors import first_error
-from .._format.manifest import Manifest, Segment, ShardMeta
+from .._format.entries import Segment, ShardMeta
+from .._format.manifest import Manifest
 from .._tiering.interface import Tier
 from .fetch import Checksum, lend_verified, thread_checksum
 
@@ -46,7 +47,7 @@ async def restore_into(
     """Fill ``targets[i]`` (tensor ``i`` of the manifest; None: skip it) in place.
 
     Each shard is read from the first tier of ``sources`` with a copy whose crc32c matches
-    (``checksum`` computes it), falling back tier by tier (``_fetch.lend_verified``). A tier
+    (``checksum`` computes it), falling back tier by tier (``_restore.fetch.lend_verified``). A tier
     that lends its blocks (:class:`SupportsBlockRead`, the pinned host arena) is read without
     copying; others are read into a pinned bounce buffer.
     Device targets are then filled by host-to-device copies on a side stream per device that

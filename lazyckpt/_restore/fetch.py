@@ -6,7 +6,7 @@ from one tier (:func:`read_copy`), or from the first of several tiers that holds
 copy (:func:`read_verified`, or :func:`lend_verified` for a tier that lends its blocks),
 checking its crc32c against the manifest (computed while reading, by a tier that can:
 ``SupportsChecksummedRead``). Which tier is tried next is the restore state
-table's decision (``_state.RESTORE_TABLE``): PENDING, READING, then VERIFIED, or PENDING
+table's decision (``_tiering.states.RESTORE_TABLE``): PENDING, READING, then VERIFIED, or PENDING
 again after a bad copy, or EXHAUSTED when no tier is left, which raises a
 :class:`CorruptionError` naming the shard's tensors and every tier tried.
 
@@ -26,7 +26,8 @@ import crc32c
 import torch
 
 from .._errors import CorruptionError, SnapshotNotFoundError, TierError
-from .._format.manifest import Manifest, ShardMeta
+from .._format.entries import ShardMeta
+from .._format.manifest import Manifest
 from .._tiering.arena import Block
 from .._tiering.interface import SupportsBlockRead, SupportsChecksummedRead, Tier, reads_checksummed
 from .._tiering.states import RestoreEvent, RestoreState, advance_restore

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from .._errors import ConfigurationError, LazyCkptError, StateMismatchError
-from .._format.walk import DataclassValue, Stateful, StatefulValue
+from .._format.values import DataclassValue, StatefulValue
+from .._format.walk import Stateful
 
 __all__ = ["apply_into"]
 

@@ -17,8 +17,10 @@ from typing import Any, TypeVar
 import torch
 
 from .._errors import ConfigurationError
-from .._format.manifest import Manifest, TensorMeta
-from .._format.walk import JSON, _escape, decode_tree
+from .._format.entries import TensorMeta
+from .._format.manifest import Manifest
+from .._format.values import decode_tree
+from .._format.walk import JSON, _escape
 from .into import _mismatch, _stateful
 
 __all__ = ["WRAPPER_PREFIXES", "align_into", "strip_prefix"]

@@ -18,7 +18,7 @@ assumed identical across ranks: only the user knows they are.
 Restore
 -------
 On the world size it was saved with, with no replica to fetch and ``into=`` chunks where
-they were saved, a rank reads its own manifest and shards only (``_restore.restore_state``).
+they were saved, a rank reads its own manifest and shards only (``_restore.restore.restore_state``).
 Otherwise (:func:`restore_resharded`) each rank works out, per tensor, the region of the
 global tensor it needs, the saved ranks whose chunks overlap it (from the chunking rule,
 checked against their manifests), and reads just the shards holding the overlap:
@@ -44,8 +44,6 @@ from .._distributed.chunks import (
     ReplicatedMarker,
     _chunk,
     _shard_dim,
-    local_chunk,
-    replicated_info,
     writer_of,
 )
 from .._errors import (
@@ -56,23 +54,22 @@ from .._errors import (
     UnsupportedStateError,
     first_error,
 )
-from .._format.manifest import Manifest, TensorMeta
-from .._format.walk import Stateful, TensorRef, decode_tree, walk_state
+from .._format.entries import TensorMeta
+from .._format.manifest import Manifest
+from .._format.values import decode_tree
+from .._format.walk import Stateful, TensorRef, walk_state
 from .._tiering.interface import SupportsRankManifests, Tier
 from .fetch import Checksum, byte_view, committed_steps, read_verified, thread_checksum
-from .restore import align_into, apply_into, check_optimizers, read_manifest
+from .into import apply_into
+from .keys import align_into
+from .restore import check_optimizers, read_manifest
 
 __all__ = [
-    "DistInfo",
     "Replicated",
-    "SupportsRankManifests",
     "assign_writers",
-    "local_chunk",
     "needs_resharding",
     "read_base_manifest",
-    "replicated_info",
     "restore_resharded",
-    "writer_of",
 ]
 
 Box = tuple[tuple[int, int], ...]  # per dimension, [start, stop) in global coordinates

@@ -1,6 +1,6 @@
 """Restoring a snapshot: from the fastest tier that has a good copy, shard by shard.
 
-For each shard the restore walks its own small state table (``_state.RESTORE_TABLE``):
+For each shard the restore walks its own small state table (``_tiering.states.RESTORE_TABLE``):
 PENDING, READING from the next tier that holds the step, then VERIFIED when the crc32c
 matches the manifest, or back to PENDING for the next tier on a bad or missing copy, and
 EXHAUSTED when no tier is left (a :class:`CorruptionError` naming the tensors and tiers).
@@ -9,12 +9,11 @@ Bytes go straight into the destination tensor when it is a contiguous CPU tensor
 ``into=`` target or a new tensor); otherwise through a temporary buffer and ``copy_``.
 
 An ``into=`` target is checked against the snapshot before any byte is read
-(:func:`align_into`, in ``_restore_keys``: wrapper prefixes are mapped there; the
+(:func:`align_into`, in ``_restore.keys``: wrapper prefixes are mapped there; the
 optimizers' parameter groups and state shapes, :func:`check_optimizers`; each tensor's
 shape and dtype, ``_Destinations``) and the restored state is loaded into it at the end
-(:func:`apply_into`, in ``_restore_into``).
-Verifying a step without restoring it is ``_verify_step``. The names of those modules stay
-importable from here.
+(:func:`apply_into`, in ``_restore.into``).
+Verifying a step without restoring it is ``_restore.verify``.
 """
 
 
@@ -44,36 +43,24 @@ from .._errors import (
     TierError,
     first_error,
 )
-from .._format.manifest import Manifest, ShardMeta, TensorMeta
-from .._format.walk import JSON, _escape, decode_tree, walk_state
+from .._format.entries import ShardMeta, TensorMeta
+from .._format.manifest import Manifest
+from .._format.values import decode_tree
+from .._format.walk import JSON, _escape, walk_state
 from .._gcpause import collector_paused
 from .._tiering.interface import SupportsChecksummedRead, Tier
 from .device import restore_into
 from .fetch import (
     Checksum,
     byte_view,
-    committed_steps,
     find_step,
     read_verified,
     thread_checksum,
 )
 from .into import _join, _mismatch, _stateful, apply_into
-from .keys import WRAPPER_PREFIXES, _items, _key_of, align_into, strip_prefix
-from .verify import VerifyReport, verify_step
+from .keys import _items, _key_of, align_into
 
-__all__ = [
-    "WRAPPER_PREFIXES",
-    "VerifyReport",
-    "align_into",
-    "apply_into",
-    "check_optimizers",
-    "committed_steps",
-    "read_manifest",
-    "restore_lazily",
-    "restore_state",
-    "strip_prefix",
-    "verify_step",
-]
+__all__ = ["check_optimizers", "read_manifest", "restore_lazily", "restore_state"]
 
 
 async def read_manifest(

@@ -9,8 +9,8 @@
 - ``calls``: one tier operation under a deadline, retried with back-off, as the engine and
   the command line call a tier.
 
-May import: ``lazyckpt._errors``, ``lazyckpt.hooks``, ``lazyckpt._distributed``,
-``lazyckpt._format``. The arena and the states sit here rather than in ``_engine`` because
-the contract names them (a tier gets a ``Block``, reports a ``TierLevel``): the engine,
-capture and restore all build on the contract, so the contract cannot build on them.
+May import: ``_errors``, ``hooks``, ``_distributed``, ``_format``.
+The arena and the states sit here rather than in ``_engine`` because the contract names them
+(a tier gets a ``Block``, reports a ``TierLevel``): the engine, capture and restore all
+build on the contract, so the contract cannot build on them.
 """

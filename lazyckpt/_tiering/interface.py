@@ -33,7 +33,8 @@ from .._errors import (
 from .states import TierLevel
 
 if TYPE_CHECKING:
-    from .._format.manifest import Manifest, ShardMeta
+    from .._format.entries import ShardMeta
+    from .._format.manifest import Manifest
     from .arena import Block, HostArena
 
 __all__ = [

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from .._errors import CorruptionError
-from .._format.manifest import Manifest, TensorMeta
-from .._format.walk import StatefulValue, decode_tree, walk_state
+from .._format.entries import TensorMeta
+from .._format.manifest import Manifest
+from .._format.values import StatefulValue, decode_tree
+from .._format.walk import walk_state
 from .._restore.reshard import restore_resharded
 from ._console import Console
 from ._formats import SAFETENSORS_DTYPES, format_of

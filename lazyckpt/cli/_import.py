@@ -21,9 +21,10 @@ from .._errors import (
     CorruptionError,
     LazyCkptError,
 )
-from .._format.manifest import LayoutOptions, Manifest, ShardMeta, plan_layout
-from .._format.values import has_tag
-from .._format.walk import JSON, TensorRef, dtype_from_name, walk_state
+from .._format.entries import ShardMeta
+from .._format.manifest import LayoutOptions, Manifest, plan_layout
+from .._format.values import dtype_from_name, has_tag
+from .._format.walk import JSON, TensorRef, walk_state
 from .._progress import format_bytes
 from ._console import Console
 from ._formats import FROM_SAFETENSORS, sniff_format

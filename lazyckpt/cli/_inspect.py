@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import CorruptionError, LazyCkptError, first_error
-from .._format.manifest import Manifest, TensorMeta
-from .._format.values import has_tag
-from .._format.walk import JSON, decode_tree
+from .._format.entries import TensorMeta
+from .._format.manifest import Manifest
+from .._format.values import decode_tree, has_tag
+from .._format.walk import JSON
 from .._progress import Progress, format_bytes
 from ._console import Console, iso_time, local_time, table
 from ._location import opened, pick_steps

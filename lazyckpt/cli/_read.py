@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from .._errors import ConfigurationError, CorruptionError
-from .._format.manifest import Manifest, ShardMeta, TensorMeta
+from .._format.entries import ShardMeta, TensorMeta
+from .._format.manifest import Manifest
 from .._restore.fetch import read_copy
 from .._tiering.interface import SupportsRankManifests, Tier
 

@@ -16,7 +16,8 @@ from typing import TypeVar
 import crc32c
 
 from .._errors import CorruptionError, first_error
-from .._format.manifest import Manifest, ShardMeta
+from .._format.entries import ShardMeta
+from .._format.manifest import Manifest
 from .._options import CheckpointerOptions
 from .._tiering.calls import RetryPolicy, call_tier
 from .._tiering.interface import Tier

@@ -73,10 +73,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._checkpointer.facades import Checkpointer, SnapshotHandle, SyncCheckpointer, _Core
+from .._checkpointer.core import _Core
+from .._checkpointer.facades import Checkpointer, SyncCheckpointer
+from .._checkpointer.handle import SnapshotHandle
 from .._errors import ConfigurationError, SnapshotNotFoundError
 from .._format.manifest import Manifest
-from .._format.walk import decode_tree
+from .._format.values import decode_tree
 from .._restore.reshard import read_base_manifest
 
 __all__ = ["LazyStorageReader", "LazyStorageWriter"]

@@ -64,10 +64,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "lazyckpt.integrations.deepspeed needs DeepSpeed: pip install 'lazyckpt[deepspeed]'"
     ) from exc
 
-from .._checkpointer.facades import SnapshotHandle, SyncCheckpointer
+from .._checkpointer.facades import SyncCheckpointer
+from .._checkpointer.handle import SnapshotHandle
 from .._errors import ConfigurationError, CorruptionError, LazyCkptError, SnapshotNotFoundError
-from .._restore.reshard import SupportsRankManifests
-from .._tiering.interface import Tier
+from .._tiering.interface import SupportsRankManifests, Tier
 
 __all__ = ["POINTER_FORMAT", "LazyCheckpointEngine"]
 

@@ -56,7 +56,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._checkpointer.facades import SnapshotHandle, SyncCheckpointer
+from .._checkpointer.facades import SyncCheckpointer
+from .._checkpointer.handle import SnapshotHandle
 from .._errors import ConfigurationError, LazyCkptError, SnapshotNotFoundError
 from .._tiering.interface import Tier
 from ._rollback import abandoned_steps

@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from .._checkpointer.facades import SnapshotHandle, SyncCheckpointer
+from .._checkpointer.facades import SyncCheckpointer
+from .._checkpointer.handle import SnapshotHandle
 from .._errors import ConfigurationError, LazyCkptError, SnapshotNotFoundError
 from .._tiering.interface import Tier
 from .._tiering.states import TierLevel

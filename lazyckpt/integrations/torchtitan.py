@@ -47,7 +47,8 @@ except ImportError as exc:  # pragma: no cover - only without the extra
         "lazyckpt.integrations.torchtitan needs torchtitan 0.3: pip install 'lazyckpt[torchtitan]'"
     ) from exc
 
-from .._checkpointer.facades import SnapshotHandle, SyncCheckpointer
+from .._checkpointer.facades import SyncCheckpointer
+from .._checkpointer.handle import SnapshotHandle
 from .._errors import ConfigurationError, SnapshotFailedError
 from .._tiering.interface import Tier, load_tier
 

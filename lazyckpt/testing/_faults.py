@@ -17,7 +17,8 @@ from collections import Counter
 from typing import Any
 
 from .._errors import TierBrokenError, TierError, TierFullError
-from .._format.manifest import Manifest, ShardMeta
+from .._format.entries import ShardMeta
+from .._format.manifest import Manifest
 from .._tiering.interface import Tier
 
 __all__ = ["FaultyTier"]

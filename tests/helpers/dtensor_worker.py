@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import lazyckpt
 from lazyckpt import Replicated
+from lazyckpt._distributed.chunks import writer_of
 from lazyckpt._format.walk import walk_state
-from lazyckpt._restore.reshard import writer_of
 from tiers import FileTier, HostMemoryTier
 
 if __package__ in (None, ""):  # run as a script: make the helpers package importable

@@ -1,5 +1,5 @@
 """Positional file I/O of FileTier: pieces written with ``pwrite`` (through an aligned bounce
-buffer where ``O_DIRECT`` needs one). Reading is ``_file_read``."""
+buffer where ``O_DIRECT`` needs one). Reading is ``file.read``."""
 
 from __future__ import annotations
 

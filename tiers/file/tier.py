@@ -591,7 +591,7 @@ class FileTier(Tier):
         self, manifest: Manifest, shard: ShardMeta, out: memoryview
     ) -> int:
         """Read as :meth:`read_shard` does; each piece's crc32c is computed by the thread
-        that read it, as it lands in ``out`` (see ``_file_read``), and the shard's returned."""
+        that read it, as it lands in ``out`` (see ``file.read``), and the shard's returned."""
         return await self._read(manifest, shard, out, checksum=True)
 
     async def _read(

@@ -1,5 +1,5 @@
 """The holder's side of the peer tier: the replica server that keeps other ranks' replicas
-on this node and answers their requests (see ``_peer``)."""
+on this node and answers their requests (see ``peer.tier``)."""
 
 from __future__ import annotations
 

@@ -46,8 +46,8 @@ seconds, so a rank that finished its restore early does not pull the replicas aw
 one still reading them.
 
 Here: the tier, its life cycle and the owner's side. The wire protocol (frames, the kinds
-of error a refusal carries) is in ``_peer_wire``; the holder's side, the replica server
-that answers the peers' requests, in ``_peer_holder`` (a base class of the tier).
+of error a refusal carries) is in ``peer.wire``; the holder's side, the replica server
+that answers the peers' requests, in ``peer.holder`` (a base class of the tier).
 """
 
 from __future__ import annotations

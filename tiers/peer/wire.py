@@ -1,5 +1,5 @@
 """The peer tier's wire protocol: frames on a TCP connection, and the kinds of error a
-holder's refusal carries (see ``_peer`` for how the ranks talk).
+holder's refusal carries (see ``peer.tier`` for how the ranks talk).
 
 A frame is a 12-byte prefix (header bytes, payload bytes), a JSON header, then the payload.
 The sockets are driven with the loop's ``sock_*`` calls, not streams, so a payload moves

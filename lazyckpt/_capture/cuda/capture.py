@@ -23,7 +23,7 @@ each shard, in shard order. For the segments whose source is a CUDA tensor it
    wait for their turn on a future that the one before hands over;
 6. checks the version counters again (*completion check*) unless a stream guard fenced the
    copy first (see below), and returns: the shard is captured. Its crc32c is not part of
-   the capture: the engine's checksum stage (``_capture.ChecksumPool``) computes it from the
+   the capture: the engine's checksum stage (``_capture.cpu.ChecksumPool``) computes it from the
    pinned block afterwards, while the copies of the next shards run, so the guard never
    waits for a checksum.
 
@@ -55,7 +55,8 @@ from typing import Protocol
 import torch
 
 from ..._errors import ConfigurationError, ImmutabilityViolationError
-from ..._format.manifest import Manifest, Segment
+from ..._format.entries import Segment
+from ..._format.manifest import Manifest
 from ..._format.walk import TensorRef
 from ..cpu import CaptureJob, source_view
 from .device import (
