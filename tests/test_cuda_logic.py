@@ -44,12 +44,12 @@ from lazyckpt._capture.cuda import (
     PollOptions,
     in_pool,
     resolve_guard_mode,
-    restore_into,
     stream_guard_hook,
     wait_for_event,
 )
 from lazyckpt._format.manifest import plan_layout
 from lazyckpt._format.walk import TensorRef, walk_state
+from lazyckpt._restore.device import restore_into
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
