@@ -422,12 +422,26 @@ def translate_os_error(
     return TierBrokenError(f"{what}: {scrub(text) if scrub else text}", tier=tier)
 
 
+_XML_CODE = re.compile(r"<Code>\s*([^<]{1,100}?)\s*</Code>")
+_XML_MESSAGE = re.compile(r"<Message>\s*([^<]{1,300}?)\s*</Message>")
+
+
 def _summary(exc: BaseException, scrub: Callable[[str], str] | None) -> str:
-    """The type and first line of an exception, at most 300 characters, scrubbed."""
-    text = (str(exc).strip().splitlines() or [""])[0]
+    """The type and first line of an exception, at most 300 characters, scrubbed. An
+    object store's XML error body (S3 and its clones answer ``<Error><Code>...``) may sit
+    on later lines, after the status line: its code and message are what a user acts on
+    (``SignatureDoesNotMatch``, ``InvalidAccessKeyId``, ``NoSuchBucket``), so they are
+    added wherever they are in the text."""
+    full = str(exc).strip()
+    text = (full.splitlines() or [""])[0]
+    code, message = _XML_CODE.search(full), _XML_MESSAGE.search(full)
+    if code is not None:
+        text = text.removesuffix('<?xml version="1.0" encoding="UTF-8"?>').rstrip(" :")
+        detail = code.group(1) + (f" ({message.group(1)})" if message is not None else "")
+        text = f"{text}: {detail}" if text else detail
     if scrub is not None:
         text = scrub(text)
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from lazyckpt.tier import (
 from .._fs import WriterLock, read_small
 from .codec import _join, _PackGeometry
 from .layout import (
+    _STEP_GROUP,
     _documents,
     _geometry_from_document,
     _part_prefix,
@@ -69,7 +70,7 @@ class ZarrCore(Tier):
         secret_access_key: str | None = None,
         session_token: str | None = None,
         allow_http: bool | None = None,
-        retries: int = 5,
+        retries: int = 10,
         retry_timeout: float = 60.0,
         connect_timeout: float = 5.0,
         request_timeout: float = 120.0,
@@ -77,12 +78,15 @@ class ZarrCore(Tier):
         keep_every: int | None = None,
         readonly: bool = False,
         lease_seconds: float = 300.0,
+        skip_signature: bool = False,
+        require_conditional_writes: bool = True,
     ) -> None:
         super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
         self.readonly = readonly
         if not lease_seconds > 0:
             raise ConfigurationError(f"lease_seconds must be positive, got {lease_seconds!r}")
         self.lease_seconds = float(lease_seconds)
+        self.require_conditional_writes = require_conditional_writes
         self._retries = retries
         if sys.byteorder != "little":  # pragma: no cover - no big-endian test machine
             raise ConfigurationError("ZarrTier writes raw little-endian chunks; this host is not")
@@ -109,6 +113,7 @@ class ZarrCore(Tier):
             "secret_access_key": secret_access_key,
             "session_token": session_token,
             "allow_http": allow_http,
+            "skip_signature": skip_signature or None,
         }
         if isinstance(location, Store):
             self.location = f"<{type(location).__name__}>"
@@ -142,6 +147,10 @@ class ZarrCore(Tier):
             raise ConfigurationError("S3 settings were given for a location that is not s3://")
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._plans: dict[tuple[int, int], _Plan] = {}  # (step, rank) ->
+        # the group of each committed or retired step whose group is not the plain name (as
+        # the index last read says), and of each step this writer is writing
+        self._groups: dict[int, str] = {}
+        self._writing: dict[int, str] = {}
         self._begun: set[int] = set()
         self._unsynced: dict[int, set[str]] = {}  # step -> directories to sync at commit
         self._geometry: dict[tuple[int, int], _PackGeometry] = {}  # (step, rank) ->
@@ -270,6 +279,17 @@ class ZarrCore(Tier):
         if isinstance(self._store, DurableLocalStore):
             pending = self._unsynced.setdefault(step, set())
             await self._request(self._store.write_parts(key, parts, unpublished=pending))
+        elif self._s3 is not None:
+            # One PUT per object, never a multipart upload: a writer killed or failing
+            # mid-upload leaves no unfinished upload behind holding the parts it sent (they
+            # are invisible to listings and billed until aborted). A PUT takes up to 5 GiB;
+            # begin() refuses larger chunks.
+            import obstore
+
+            data = parts[0] if len(parts) == 1 else await self._cpu(_join, parts)
+            await self._request(
+                obstore.put_async(self._store.store, key, data, use_multipart=False)  # type: ignore[attr-defined]
+            )
         elif len(parts) == 1:
             await self._request(self._store.set(key, CpuBuffer.from_bytes(parts[0])))
         else:
@@ -281,11 +301,20 @@ class ZarrCore(Tier):
         docs = _documents(plan)
         await self._all(self._put_unpublished(step, k, [memoryview(v)]) for k, v in docs.items())
 
+    def _group(self, step: int) -> str:
+        """The group ``step`` lives in: the one this writer writes it to, or the one the
+        index names (the plain name unless the index says otherwise)."""
+        return self._writing.get(step) or self._groups.get(step) or _step_prefix(step)
+
+    def _part_of(self, step: int, rank: int, world_size: int) -> str:
+        return _part_prefix(step, rank, world_size, self._group(step))
+
     def _plan(self, manifest: Manifest) -> _Plan:
         at = (manifest.step, manifest.rank)  # a resharding restore reads several ranks' parts
         plan = self._plans.get(at)
-        if plan is None or plan.manifest is not manifest:
-            plan = plan_snapshot(manifest, self.pack_chunk_bytes)
+        group = self._group(manifest.step)
+        if plan is None or plan.manifest is not manifest or not plan.prefix.startswith(group):
+            plan = plan_snapshot(manifest, self.pack_chunk_bytes, group)
             self._plans[at] = plan
             while len(self._plans) > 64:  # readers of old steps just plan again
                 del self._plans[next(iter(self._plans))]
@@ -315,7 +344,26 @@ class ZarrCore(Tier):
         raw = await self._get_document("zarr.json")
         if raw is None:
             return None
-        return self._parse_root(raw)
+        root = self._parse_root(raw)
+        self._groups = self._group_names(root)
+        return root
+
+    def _group_names(self, root: dict[str, Any] | None) -> dict[int, str]:
+        """The index's map of steps to groups not named plainly (steps written on S3)."""
+        if root is None:
+            return {}
+        found = root["attributes"]["lazyckpt"].get("groups", {})
+        try:
+            groups = {int(k): str(v) for k, v in found.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise CorruptionError("the group map in the root zarr.json is damaged") from None
+        for step, name in groups.items():
+            m = _STEP_GROUP.match(name)
+            if m is None or int(m.group(1)) != step:
+                raise CorruptionError(
+                    f"the group map in the root zarr.json is damaged: step {step} -> {name!r}"
+                )
+        return groups
 
     def _parse_root(self, raw: bytes) -> dict[str, Any]:
         try:
@@ -358,13 +406,13 @@ class ZarrCore(Tier):
         found = self._stored.get(at)
         if found is not None:
             return found
-        key = f"{_step_prefix(step)}/zarr.json"
+        key = f"{self._group(step)}/zarr.json"
         attrs = await self._group_attributes(key)
         if "manifest" not in attrs:  # a commit record: the rank's own part
             world = attrs.get("world_size")
             if type(world) is not int or not 0 <= rank < world:
                 raise CorruptionError(f"{self.location}/{key} has no part of rank {rank}")
-            key = f"{_part_prefix(step, rank, world)}/zarr.json"
+            key = f"{self._part_of(step, rank, world)}/zarr.json"
             attrs = await self._group_attributes(key)
         found = self._record_manifest(attrs, key, step)
         if len(self._stored) >= 256:
@@ -377,10 +425,10 @@ class ZarrCore(Tier):
         found = self._refers.get(step)
         if found is not None:
             return found
-        attrs = await self._group_attributes(f"{_step_prefix(step)}/zarr.json")
+        attrs = await self._group_attributes(f"{self._group(step)}/zarr.json")
         world = 1 if "manifest" in attrs else attrs.get("world_size")
         if type(world) is not int or world < 1:
-            raise CorruptionError(f"{self.location}/{_step_prefix(step)}/zarr.json is damaged")
+            raise CorruptionError(f"{self.location}/{self._group(step)}/zarr.json is damaged")
         refers: set[int] = set()
         for rank in range(world):
             refers |= (await self._stored_manifest(step, rank)).references()
@@ -402,7 +450,8 @@ class ZarrCore(Tier):
             )
 
     async def _names(self, prefix: str) -> list[str]:
-        return [n.rstrip("/") async for n in self._store.list_dir(prefix)]
+        # a server with directories (SeaweedFS) may list the prefix itself, emptied, as ""
+        return [n.rstrip("/") async for n in self._store.list_dir(prefix) if n.rstrip("/")]
 
     def _record_manifest(self, attrs: dict[str, Any], key: str, step: int) -> Manifest:
         source = f"{self.location}/{key}"

@@ -23,10 +23,12 @@ from lazyckpt.tier import FORMAT_VERSION, CorruptionError, Manifest, TensorMeta
 from .codec import _PackGeometry
 from .dtype import _bytes_codec, _fill_value, storage_dtype
 
-_STEP_GROUP = re.compile(r"^step-(\d{12})$")
+# a step's group: ``step-NNNNNNNNNNNN``, or on S3 ``step-NNNNNNNNNNNN-<writer token>`` (the
+# objects of one writer incarnation, which no other incarnation ever names; docs/zarr.md)
+_STEP_GROUP = re.compile(r"^step-(\d{12})(?:-([0-9a-f]{16}))?$")
 _PART_GROUP = re.compile(r"^rank-\d{5}$")
 _STEP_CHILDREN = {"zarr.json", "tensors", "packed"}  # besides rank parts: all a step group holds
-_OURS_AT_ROOT = re.compile(r"^\.lazyckpt-writer-rank-\d{5}\.(lock|json)$")  # locks, leases
+_OURS_AT_ROOT = re.compile(r"^\.lazyckpt-(writer-rank-\d{5}\.(lock|json)|probe-[0-9a-f]{16})$")  # locks, leases, probes
 _MAX_NAME = 200  # bytes: file systems allow 255 per component, temporary names need a few
 
 
@@ -66,20 +68,23 @@ def _group_doc(attributes: dict[str, Any] | None = None) -> bytes:
     return _json({"zarr_format": 3, "node_type": "group", "attributes": attributes or {}})
 
 
-def _step_prefix(step: int) -> str:
-    return f"step-{step:012d}"
+def _step_prefix(step: int, token: str | None = None) -> str:
+    """The group of ``step``: the plain name, or the one of writer incarnation ``token``."""
+    return f"step-{step:012d}" if token is None else f"step-{step:012d}-{token}"
 
 
 def _rank_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def _part_prefix(step: int, rank: int, world_size: int) -> str:
+def _part_prefix(step: int, rank: int, world_size: int, group: str | None = None) -> str:
     """Where one rank's part of a snapshot lives: the step's group itself for a snapshot of
-    one rank (the layout of every earlier version), ``step-.../rank-NNNNN`` otherwise."""
+    one rank (the layout of every earlier version), ``step-.../rank-NNNNN`` otherwise.
+    ``group`` is the step's group when it is not the plain name (see :func:`_step_prefix`)."""
+    group = group or _step_prefix(step)
     if world_size == 1:
-        return _step_prefix(step)
-    return f"{_step_prefix(step)}/{_rank_name(rank)}"
+        return group
+    return f"{group}/{_rank_name(rank)}"
 
 
 # -- the plan of a snapshot: which object holds which shard ------------------------------------
@@ -133,9 +138,10 @@ def _chunk_key(meta: TensorMeta, i: int) -> str:
     return "/".join(["c", str(i), *(["0"] * (ndim - 1))])
 
 
-def plan_snapshot(manifest: Manifest, pack_chunk_bytes: int) -> _Plan:
-    """Map every tensor and shard of ``manifest`` to Zarr arrays and objects (no I/O)."""
-    prefix = _part_prefix(manifest.step, manifest.rank, manifest.world_size)
+def plan_snapshot(manifest: Manifest, pack_chunk_bytes: int, group: str | None = None) -> _Plan:
+    """Map every tensor and shard of ``manifest`` to Zarr arrays and objects (no I/O), in
+    the step's group ``group`` (the plain name by default)."""
+    prefix = _part_prefix(manifest.step, manifest.rank, manifest.world_size, group)
     paths: dict[int, str] = {}
     targets: list[_ChunkTarget | _PackTarget | None] = [None] * len(manifest.shards)
     for t, meta in enumerate(manifest.tensors):

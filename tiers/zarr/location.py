@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 from lazyckpt.tier import (
     FORMAT_VERSION,
@@ -93,11 +94,16 @@ class ZarrLocation(ZarrWriter):
                 return  # rank 0 creates the root; every rank waits for it before writing
             names = await self._names("")
             steps = self._check_root_names(names)
-            committed, incomplete = await self._rebuild_index(steps)
+            committed, incomplete, groups = await self._rebuild_index(steps)
             if self._leased:
-                await self._update_fenced_index(committed, None, claim=True)
+                await self._update_fenced_index(committed, None, claim=True, groups=groups)
             else:
-                document = {"format_version": FORMAT_VERSION, "committed": committed}
+                document: dict[str, Any] = {
+                    "format_version": FORMAT_VERSION,
+                    "committed": committed,
+                }
+                if groups:
+                    document["groups"] = {str(k): v for k, v in sorted(groups.items())}
                 await self._put("zarr.json", _group_doc({"lazyckpt": document}))
             if steps:
                 log.warning(
@@ -123,11 +129,14 @@ class ZarrLocation(ZarrWriter):
             await self._update_fenced_index((), None, claim=True)
             root = await self._read_root()
         # a retired step is kept for the committed steps that read it, not swept
-        indexed = set(self._committed(root)) | set(self._retired(root))
+        groups = self._group_names(root)
+        indexed = {
+            groups.get(s, _step_prefix(s)) for s in (*self._committed(root), *self._retired(root))
+        }
         leftovers = []
         async for name in self._store.list_dir(""):
             m = _STEP_GROUP.match(name.rstrip("/"))
-            if m and int(m.group(1)) not in indexed:
+            if m and m.group(0) not in indexed:
                 leftovers.append(m.group(0))
         for prefix in leftovers:  # each must be this layout, or nothing is deleted
             strange = [
@@ -142,6 +151,11 @@ class ZarrLocation(ZarrWriter):
                     "deleted. Move it away.",
                     location=self.location,
                 )
+        if leftovers:
+            # Listed in full before this check; a writer taking over claims the index before
+            # it writes anything, and names its groups after its own token, so nothing it
+            # writes is among, or under, the groups listed here.
+            await self._confirm_owner()
         # what a crash left: snapshots that never reached the index
         await self._all(self._request(self._store.delete_dir(p)) for p in leftovers)
 
@@ -165,7 +179,9 @@ class ZarrLocation(ZarrWriter):
             )
         return sorted(n for n in names if _STEP_GROUP.match(n))
 
-    async def _rebuild_index(self, groups: list[str]) -> tuple[list[int], list[int]]:
+    async def _rebuild_index(
+        self, groups: list[str]
+    ) -> tuple[list[int], list[int], dict[int, str]]:
         """The steps among ``groups`` whose commit records verify (a lost index, rebuilt),
         and those whose records verify but whose objects are not all there.
 
@@ -176,8 +192,13 @@ class ZarrLocation(ZarrWriter):
         manifest names must be listed too, or the step is left out (and left in place)."""
         committed: list[int] = []
         incomplete: list[int] = []
+        named: dict[int, str] = {}  # steps found in groups not named plainly
         for prefix in groups:
-            step = int(prefix[len("step-") :])
+            match = _STEP_GROUP.match(prefix)
+            assert match is not None
+            step = int(match.group(1))
+            if step in committed:
+                continue  # two writers' groups of one step verify: the first listed stands
             names = await self._names(prefix)
             if "manifest.json" in names or any(n.endswith(".data") for n in names):
                 raise ForeignLocationError(
@@ -199,11 +220,11 @@ class ZarrLocation(ZarrWriter):
                         raise CorruptionError("it is neither a manifest nor a commit record")
                     manifests = []
                     for rank in range(world):
-                        part = f"{_part_prefix(step, rank, world)}/zarr.json"
+                        part = f"{_part_prefix(step, rank, world, prefix)}/zarr.json"
                         manifests.append(
                             self._record_manifest(await self._group_attributes(part), part, step)
                         )
-                plans = [plan_snapshot(m, self.pack_chunk_bytes) for m in manifests]
+                plans = [plan_snapshot(m, self.pack_chunk_bytes, prefix) for m in manifests]
             except CorruptionError as exc:
                 raise CorruptionError(
                     f"{self.location}/zarr.json (the commit index) is missing, and whether "
@@ -214,4 +235,6 @@ class ZarrLocation(ZarrWriter):
             wanted = {t.key for plan in plans for t in plan.targets}
             wanted.update(k for plan in plans for k in _documents(plan))
             (committed if wanted <= stored else incomplete).append(step)
-        return committed, incomplete
+            if wanted <= stored and prefix != _step_prefix(step):
+                named[step] = prefix
+        return sorted(committed), incomplete, named

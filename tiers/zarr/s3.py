@@ -33,6 +33,7 @@ class _S3Settings:
     access_key_id: str | None = field(default=None, repr=False)
     secret_access_key: str | None = field(default=None, repr=False)
     session_token: str | None = field(default=None, repr=False)
+    skip_signature: bool = False
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -80,16 +81,50 @@ def _s3_settings(url: str, overrides: Mapping[str, Any]) -> _S3Settings:
             "the S3 endpoint uses plain HTTP; pass allow_http=True (or set AWS_ALLOW_HTTP=true) "
             "if that is intended"
         )
+    skip_signature = bool(overrides.get("skip_signature"))
+    key_id = pick("access_key_id", "AWS_ACCESS_KEY_ID")
+    secret = pick("secret_access_key", "AWS_SECRET_ACCESS_KEY")
+    where = f"s3://{parts.netloc}{parts.path}"
+    if not skip_signature and (key_id is None) != (secret is None):
+        given, missing = (
+            ("access_key_id", "secret_access_key") if secret is None
+            else ("secret_access_key", "access_key_id")
+        )
+        raise ConfigurationError(
+            f"{where}: {given} is set but {missing} is not (neither as an option nor as "
+            f"AWS_{missing.upper()}); give both"
+        )
+    if not skip_signature and key_id is None and endpoint is not None:
+        other = [v for v in _OTHER_CREDENTIAL_SOURCES if env.get(v)]
+        if not other:
+            # Without keys the client would ask a cloud's instance metadata endpoint, which a
+            # server of one's own does not have: a slow, misleading failure at first use.
+            raise ConfigurationError(
+                f"no credentials found for {where} at {endpoint}: tried the ZarrTier options "
+                "access_key_id/secret_access_key, the environment variables "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, and "
+                f"{', '.join(_OTHER_CREDENTIAL_SOURCES)}. Give credentials one of these ways, "
+                "or pass skip_signature=True for a bucket that allows anonymous access"
+            )
     return _S3Settings(
         bucket=parts.netloc,
         prefix=parts.path.strip("/"),
         endpoint=endpoint,
         region=pick("region", "AWS_REGION", "AWS_DEFAULT_REGION"),
         allow_http=bool(allow_http),
-        access_key_id=pick("access_key_id", "AWS_ACCESS_KEY_ID"),
-        secret_access_key=pick("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-        session_token=pick("session_token", "AWS_SESSION_TOKEN"),
+        access_key_id=None if skip_signature else key_id,
+        secret_access_key=None if skip_signature else secret,
+        session_token=None if skip_signature else pick("session_token", "AWS_SESSION_TOKEN"),
+        skip_signature=skip_signature,
     )
+
+
+# what the S3 client reads for credentials besides a key pair (web identity, container roles)
+_OTHER_CREDENTIAL_SOURCES = (
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
 
 
 def _s3_store(
@@ -113,6 +148,8 @@ def _s3_store(
     ):
         if value is not None:
             config[key] = value
+    if s.skip_signature:
+        config["skip_signature"] = True
     if s.endpoint is not None:
         config["virtual_hosted_style_request"] = False  # path style: what S3 clones serve
     try:
@@ -128,9 +165,12 @@ def _s3_store(
             retry_config={
                 "max_retries": retries,
                 "retry_timeout": timedelta(seconds=retry_timeout),
+                # every wait at least a second, doubling up to 8 s: the default 10 retries
+                # ride out a server that is gone for 10 s or more (a restart), within
+                # retry_timeout; waits from 100 ms gave up in under a second
                 "backoff": {
-                    "init_backoff": timedelta(milliseconds=100),
-                    "max_backoff": timedelta(seconds=10),
+                    "init_backoff": timedelta(seconds=BACKOFF_FIRST),
+                    "max_backoff": timedelta(seconds=BACKOFF_MAX),
                     "base": 2,
                 },
             },
@@ -140,6 +180,17 @@ def _s3_store(
             f"bad S3 configuration for bucket {s.bucket!r}: {s.scrub(str(exc))[:300]}"
         ) from None
     return ObjectStore(backend)
+
+
+# the back-off of S3 requests, the client's and lazyckpt's own loops for conditional writes
+BACKOFF_FIRST = 1.0
+BACKOFF_MAX = 8.0
+
+
+def backoff(attempt: int) -> float:
+    """The wait before retry ``attempt`` (0-based) of a request the client does not retry
+    itself (conditional PUTs): the same schedule as the client's, without its jitter."""
+    return float(min(BACKOFF_FIRST * 2**attempt, BACKOFF_MAX))
 
 
 def _lease_holder(raw: Any) -> dict[str, Any]:

@@ -116,6 +116,10 @@ log = logging.getLogger("lazyckpt")
 # -- the tier -----------------------------------------------------------------------------------
 
 
+# the largest object one S3 PUT takes
+_MAX_PUT = 5 << 30
+
+
 class ZarrTier(ZarrLocation):
     """Snapshots as Zarr v3 groups on a parallel file system path or on S3.
 
@@ -141,10 +145,16 @@ class ZarrTier(ZarrLocation):
             ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ALLOW_HTTP``). Credentials
             never appear in manifests, errors or logs.
         retries: S3 retries of a failed request (5xx, dropped connections, timeouts), with
-            exponential backoff and jitter.
+            exponential backoff and jitter from 1 s to 8 s: the default 10 ride out a server
+            that is gone for ten seconds or more (a restart).
         retry_timeout: seconds after which a failing S3 request is not retried any more.
         connect_timeout, request_timeout: S3 connection and whole-request limits, seconds.
         keep_last, keep_every: retention (see :class:`lazyckpt.Retention`).
+        skip_signature: S3: send unsigned requests (a bucket that allows anonymous access)
+            instead of looking for credentials.
+        require_conditional_writes: S3: at open for writing, check that the server honours
+            conditional writes (a second create-if-absent of a probe object must fail) and
+            refuse it otherwise; ``False`` writes without the one-writer guarantee.
         readonly: only read (a restore, an inspection): ``open()`` creates, deletes and locks
             nothing, a missing location or bucket is :class:`~lazyckpt.SnapshotNotFoundError`,
             and writing is refused. A reader works beside a running writer.
@@ -201,9 +211,26 @@ class ZarrTier(ZarrLocation):
                     "delete the steps that refer to it",
                     tier=self.name,
                 )
+            token = self._incarnation
+            if token is not None:
+                # on S3 a writer writes its steps into groups named after its lease token:
+                # objects no other incarnation names, so a writer that stalled past its
+                # lease can neither overwrite nor delete what the taker writes
+                self._writing[manifest.step] = _step_prefix(manifest.step, token)
             plan = self._plan(manifest)
+            if self._s3 is not None:
+                largest = max(
+                    (t.chunk_bytes for t in plan.targets if isinstance(t, _ChunkTarget)),
+                    default=0,
+                )
+                if largest + 4 > _MAX_PUT:
+                    raise ConfigurationError(
+                        f"step {manifest.step}: a chunk of {largest + 4} bytes exceeds the "
+                        "5 GiB an S3 PUT takes; use a smaller shard_size"
+                    )
             self._geometry.pop((manifest.step, manifest.rank), None)
-            # leftovers of an earlier attempt (this rank's part only: the others write theirs)
+            # leftovers of an earlier attempt (this rank's part only: the others write
+            # theirs; on S3 only this incarnation's own group)
             await self._store.delete_dir(plan.prefix)
             self._unsynced.pop(manifest.step, None)
             await self._put_documents(plan)
@@ -245,7 +272,11 @@ class ZarrTier(ZarrLocation):
             if manifest.world_size == 1:
                 self._refers[manifest.step] = manifest.references()
             if manifest.world_size == 1:
-                await self._update_index(add=manifest.step)
+                group = self._writing.get(manifest.step)
+                await self._update_index(add=manifest.step, group=group)
+                if group is not None:
+                    self._groups[manifest.step] = group
+                self._writing.pop(manifest.step, None)
             self._begun.discard(manifest.step)
             self._unsynced.pop(manifest.step, None)
             if plan.pack is not None:
@@ -263,7 +294,7 @@ class ZarrTier(ZarrLocation):
                 return  # commit() published it
             self._writable("commit a snapshot")
             await self._renew_lease()
-            prefix = _step_prefix(step)
+            prefix = self._group(step)
             if not self._committer:
                 if not self._shared_checked:
                     key = f"{prefix}/{_rank_name(0)}/zarr.json"
@@ -288,9 +319,17 @@ class ZarrTier(ZarrLocation):
 
     async def abort(self, step: int) -> None:
         with self._backend("abort"):
+            own = self._writing.pop(step, None)
             self._forget(step)
             if self.readonly:
                 return  # a read-only tier wrote nothing to abort
+            if own is not None:
+                # this incarnation's own group: nobody else names it, nothing to re-check
+                # (a committed step never lives in a group still being written)
+                await self._store.delete_dir(own)
+                return
+            if self._incarnation is not None:
+                return  # it wrote nothing of this step
             try:
                 await self._renew_lease(force=True)
             except LocationInUseError:
@@ -322,7 +361,7 @@ class ZarrTier(ZarrLocation):
         with self._backend("read manifest"):
             if step not in self._committed(await self._read_root()):
                 raise SnapshotNotFoundError(f"step {step} is not committed on {self.name!r}")
-            key = f"{_step_prefix(step)}/zarr.json"
+            key = f"{self._group(step)}/zarr.json"
             attrs = await self._group_attributes(key)
             if "manifest" not in attrs:  # the commit record of a step of several ranks
                 world = attrs.get("world_size")
@@ -335,7 +374,7 @@ class ZarrTier(ZarrLocation):
                     raise CorruptionError(
                         f"step {step} was written by {world} ranks: it has no part of rank {rank}"
                     )
-                key = f"{_part_prefix(step, rank, world)}/zarr.json"
+                key = f"{self._part_of(step, rank, world)}/zarr.json"
                 attrs = await self._group_attributes(key)
             source = f"{self.name}:{self.location}/{key}"
             try:
@@ -413,8 +452,13 @@ class ZarrTier(ZarrLocation):
                     # the index for the retired list, in the same write, and stays
                     await self._update_index(remove=step, retire=True)
                     return
+                group = self._group(step)  # as the index names it, before it forgets it
                 await self._update_index(remove=step)  # un-commit first
-                await self._store.delete_dir(_step_prefix(step))
+                # then its objects: on S3 a group no later writer names again (a step
+                # written anew lives in its writer's own group), so even a writer that
+                # stalled past its lease since the fenced write above removes nothing of
+                # the taker's
+                await self._store.delete_dir(group)
 
     # -- incremental snapshots (SupportsReferences) ------------------------------------------
 
@@ -441,10 +485,14 @@ class ZarrTier(ZarrLocation):
                     return []
                 referenced = await self._referenced(self._committed(root))
                 doomed = [s for s in retired if s not in referenced]
-                for step in doomed:
+                groups = [self._group(s) for s in doomed]
+                if self._leased and doomed:
+                    # fenced first: a writer that lost its lease deletes nothing
+                    await self._update_index(unretire=doomed)
+                for step, group in zip(doomed, groups, strict=True):
                     self._forget(step)
-                    await self._store.delete_dir(_step_prefix(step))
-                if doomed:
+                    await self._store.delete_dir(group)
+                if doomed and not self._leased:
                     await self._update_index(unretire=doomed)
                 return doomed
 
@@ -480,7 +528,7 @@ class ZarrTier(ZarrLocation):
             if None not in homes and len(homes) == 1:
                 (home,) = homes
                 assert home is not None
-                prefix = _part_prefix(home, m.rank, m.world_size)
+                prefix = self._part_of(home, m.rank, m.world_size)
                 path = f"/{prefix}/{plan.arrays[meta.key]}"
                 for other in m.tensors:  # the key and its aliases
                     if other.key == meta.key or other.alias_of == t:

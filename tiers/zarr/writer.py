@@ -13,12 +13,17 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from lazyckpt.tier import FORMAT_VERSION, LocationInUseError, TierBrokenError
+from lazyckpt.tier import (
+    FORMAT_VERSION,
+    ConfigurationError,
+    LocationInUseError,
+    TierBrokenError,
+)
 
 from .._fs import WriterLock, lock_name
 from .core import ZarrCore
 from .layout import _group_doc, _json
-from .s3 import _lease_holder
+from .s3 import _lease_holder, backoff
 
 
 class ZarrWriter(ZarrCore):
@@ -31,14 +36,17 @@ class ZarrWriter(ZarrCore):
         *,
         retire: bool = False,
         unretire: Iterable[int] = (),
+        group: str | None = None,
     ) -> None:
-        """Add a step to the commit index, or remove one (with ``retire``: into the list
-        of retired steps, whose objects committed incremental steps still read), or drop
-        steps from that list: one atomic write of the root ``zarr.json``."""
+        """Add a step to the commit index (``group``: its group, when not the plain name),
+        or remove one (with ``retire``: into the list of retired steps, whose objects
+        committed incremental steps still read), or drop steps from that list: one atomic
+        write of the root ``zarr.json``."""
+        groups = {} if add is None or group is None else {add: group}
         if self._leased:
             await self._update_fenced_index(
                 () if add is None else (add,), remove, claim=False, retire=retire,
-                unretire=unretire,
+                unretire=unretire, groups=groups,
             )
             return
         async with self._index_lock:
@@ -55,6 +63,7 @@ class ZarrWriter(ZarrCore):
             lazy["format_version"] = max(int(lazy.get("format_version", 0)), FORMAT_VERSION)
             lazy["committed"] = sorted(steps)
             _retire(lazy, self._retired(root), remove if retire else None, unretire)
+            _regroup(lazy, self._group_names(root), groups, None if retire else remove, unretire)
             # The commit point: one atomic object write (an S3 PUT, a rename on a path).
             await self._put("zarr.json", _json(root))
 
@@ -66,6 +75,7 @@ class ZarrWriter(ZarrCore):
         claim: bool,
         retire: bool = False,
         unretire: Iterable[int] = (),
+        groups: dict[int, str] | None = None,
     ) -> None:
         """The index of a leased (S3) location, fenced: it names the lease token of the
         writer that owns it, and is only replaced with ``If-Match`` on the ETag just read.
@@ -101,6 +111,10 @@ class ZarrWriter(ZarrCore):
                 lazy["format_version"] = max(int(lazy.get("format_version", 0)), FORMAT_VERSION)
                 lazy["committed"] = sorted(steps)
                 _retire(lazy, self._retired(root), remove if retire else None, unretire)
+                _regroup(
+                    lazy, self._group_names(root), groups or {}, None if retire else remove,
+                    unretire,
+                )
                 lazy["writer"] = token
                 mode: Any = "create" if etag is None else {"e_tag": etag}
                 try:
@@ -115,11 +129,30 @@ class ZarrWriter(ZarrCore):
                         raise
                     # S3 clients do not retry conditional PUTs; a lost reply of one that
                     # landed shows up on the next read as this token's own index
-                    await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+                    await asyncio.sleep(backoff(attempt))
             raise TierBrokenError(
                 f"the commit index {self.location}/zarr.json kept changing under this writer",
                 tier=self.name,
             )
+
+    async def _confirm_owner(self) -> None:
+        """Before deleting what this writer listed: the index still names this writer (a
+        leased location; elsewhere the lock is held for good). A writer that takes the
+        location over claims the index before it writes anything, so every object it
+        writes is newer than this check, and never in a listing made before it."""
+        if not self._leased:
+            return
+        token = self._lease[0] if self._lease is not None else None
+        root = await self._read_root()
+        if token is None or root is None or root["attributes"]["lazyckpt"].get("writer") != token:
+            raise self._lost_lease()
+
+    @property
+    def _incarnation(self) -> str | None:
+        """The token naming this writer's step groups on a leased location (single rank)."""
+        if not self._leased or self._lease is None or self.world_size > 1:
+            return None
+        return self._lease[0]
 
     def _lost_lease(self) -> LocationInUseError:
         self._lease = None  # lost for good: every later write stops too
@@ -196,21 +229,60 @@ class ZarrWriter(ZarrCore):
                     )
                 )
                 return str(put["e_tag"])
-            except (AlreadyExistsError, PreconditionError):
-                held = await self._request(obstore.get_async(self._backend_store, key))
+            except (AlreadyExistsError, PreconditionError, FileNotFoundError):
+                # a lease there (someone else's, or this one's own earlier attempt), or, for
+                # If-Match, none any more: AWS answers 404 there, SeaweedFS 412
+                try:
+                    held = await self._request(obstore.get_async(self._backend_store, key))
+                except FileNotFoundError:
+                    return None
                 if _lease_holder(await held.bytes_async()).get("token") == token:
                     return str(held.meta["e_tag"])
                 return None
             except Exception:
                 if attempt == self._retries:
                     raise
-                await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+                await asyncio.sleep(backoff(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _probe_conditional_writes(self) -> None:
+        """Refuse a server that does not honour conditional writes: everything that keeps
+        one writer per location (the lease, the fenced index) rests on ``If-None-Match``
+        and ``If-Match``, which some S3-compatible servers accept and ignore. A probe object
+        is created twice; the second create must fail."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        key = f".lazyckpt-probe-{secrets.token_hex(8)}"
+        await self._request(obstore.put_async(self._backend_store, key, b"1", mode="create"))
+        try:
+            try:
+                await self._request(
+                    obstore.put_async(self._backend_store, key, b"2", mode="create")
+                )
+            except (AlreadyExistsError, PreconditionError):
+                return  # honoured
+            s3 = self._s3
+            where = f" at {s3.public_endpoint}" if s3 is not None and s3.public_endpoint else ""
+            raise ConfigurationError(
+                f"{self.location}: the S3 server{where} does not honour conditional writes "
+                f"(a second create-if-absent of {key} succeeded). Without them lazyckpt "
+                "cannot keep one writer per location: two writers could both take the lease "
+                "and overwrite each other's commits. Use a server that honours If-None-Match "
+                "and If-Match (AWS S3, MinIO, SeaweedFS), or pass "
+                "require_conditional_writes=False to write without that guarantee"
+            )
+        finally:
+            with contextlib.suppress(Exception):
+                await self._request(obstore.delete_async(self._backend_store, key))
 
     async def _acquire_lease(self) -> None:
         """Create the lease object, or take over one that expired; never overwrite a live
         one (conditional PUTs: ``If-None-Match: *``, then ``If-Match`` on its ETag)."""
         import obstore
+
+        if self.require_conditional_writes:
+            await self._probe_conditional_writes()
 
         key, token = self._lease_key(), secrets.token_hex(8)
         etag = await self._lease_put(token, "create")
@@ -258,6 +330,26 @@ class ZarrWriter(ZarrCore):
         if new_etag is None:
             raise self._lost_lease()
         self._lease = (token, new_etag, time.monotonic())
+
+
+def _regroup(
+    lazy: dict[str, Any],
+    old: dict[int, str],
+    add: dict[int, str],
+    remove: int | None,
+    drop: Iterable[int],
+) -> None:
+    """Update the index's map of steps to groups not named plainly (absent while there are
+    none): ``add`` new ones, forget a step removed for good or dropped from the retired list;
+    a retired step keeps its group (incremental steps read its objects there)."""
+    groups = {**old, **add}
+    for step in (remove, *drop):
+        if step is not None:
+            groups.pop(step, None)
+    if groups:
+        lazy["groups"] = {str(k): v for k, v in sorted(groups.items())}
+    else:
+        lazy.pop("groups", None)
 
 
 def _retire(
