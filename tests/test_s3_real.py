@@ -262,3 +262,39 @@ def test_the_real_server_honours_the_probe(seaweed: SeaweedLocation) -> None:
     group = step_group(index, 3)
     assert group.startswith("step-000000000003-")  # a group of this writer's own
     assert any(k.startswith(f"{seaweed.prefix}/{group}/") for k in seaweed.server.keys(seaweed.prefix + '/'))
+
+
+def test_unfinished_uploads_are_shown_and_aborted(
+    seaweed: SeaweedLocation, run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uploads other tools or earlier versions left unfinished: ``ls`` shows their count and
+    bytes, ``gc --dry-run`` says it would abort them, ``gc`` (a writer's open) aborts them."""
+    options = seaweed.server.tier_options()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_REGION", options["region"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    with SyncCheckpointer([ZarrTier(seaweed.url, **options)]) as ckpt:
+        ckpt.snapshot({"x": torch.arange(8.0)}, step=1).wait()
+    client = seaweed.server.client()
+    for i in range(2):
+        key = f"{seaweed.prefix}/step-000000000002/tensors/w/c/{i}/0"
+        upload = client.create_multipart_upload(Bucket=seaweed.server.bucket, Key=key)
+        client.upload_part(
+            Bucket=seaweed.server.bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1,
+            Body=b"x" * (5 << 20),
+        )
+    code, out, err = run("ls", seaweed.url)
+    assert code == 0, err
+    assert "2 unfinished multipart uploads holding 10.0 MiB" in err
+    code, out, err = run("gc", seaweed.url, "--keep-last", "5", "--dry-run")
+    assert code == 0, err
+    assert "would abort 2 unfinished multipart uploads" in out
+    assert len(seaweed.server.multipart_uploads(seaweed.prefix + "/")) == 2
+    code, out, err = run("gc", seaweed.url, "--keep-last", "5")
+    assert code == 0, err
+    assert "aborted 2 unfinished multipart uploads holding 10.0 MiB" in out
+    assert seaweed.server.multipart_uploads(seaweed.prefix + "/") == []
+    code, out, err = run("ls", seaweed.url)
+    assert "unfinished" not in err

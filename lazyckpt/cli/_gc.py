@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._progress import format_bytes
 from .._tiering.calls import call_tier
 from .._tiering.interface import Retention, SupportsReferences
 from ._console import Console
@@ -12,11 +13,24 @@ from ._status import EXIT_OK
 from ._write import DEFAULT_POLICY, delete_step
 
 
+async def _report_uploads(tier: object, ui: Console, *, dry_run: bool) -> None:
+    """The unfinished multipart uploads an object store held (a tier that reports them:
+    ZarrTier on S3): those the open for writing aborted, or with ``--dry-run`` those it
+    would abort."""
+    listed = getattr(tier, "unfinished_uploads", None)
+    found = await listed() if dry_run and listed is not None else getattr(tier, "uploads_aborted", [])
+    if found:
+        size = format_bytes(sum(u.bytes for u in found))
+        verb = "would abort" if dry_run else "aborted"
+        ui.out(f"{verb} {len(found)} unfinished multipart uploads holding {size}")
+
+
 async def gc_command(args: argparse.Namespace, ui: Console) -> int:
     """Delete the committed steps the retention rule does not keep (``--dry-run``: say so)."""
     retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every)
     # a writer: never beside a training job's own retention (the writer lock refuses it)
     async with opened(args.location, write=not args.dry_run) as loc:
+        await _report_uploads(loc.tier, ui, dry_run=args.dry_run)
         steps = await loc.tier.steps()
         doomed = retention.to_delete(steps)
         if args.dry_run:

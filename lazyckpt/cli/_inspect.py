@@ -79,6 +79,18 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
                         tg.create_task(describe(step, bar))
             except ExceptionGroup as group:
                 raise first_error(group) from None
+        # what an object store holds besides the steps: parts of unfinished multipart
+        # uploads (other tools, earlier versions), invisible to listings yet billed
+        for loc in locations:
+            uploads = getattr(loc.tier, "unfinished_uploads", None)
+            if uploads is not None:
+                found_uploads = await uploads()
+                if found_uploads:
+                    ui.note(
+                        f"{loc.spec}: {len(found_uploads)} unfinished multipart uploads holding "
+                        f"{format_bytes(sum(u.bytes for u in found_uploads))} (lazyckpt gc, or "
+                        "the next writer's open, aborts them)"
+                    )
     listing = [entries[step] for step in sorted(entries)]
     damaged = any("problems" in e for e in listing)
     if args.json:

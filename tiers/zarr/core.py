@@ -87,6 +87,9 @@ class ZarrCore(Tier):
             raise ConfigurationError(f"lease_seconds must be positive, got {lease_seconds!r}")
         self.lease_seconds = float(lease_seconds)
         self.require_conditional_writes = require_conditional_writes
+        self._timeout = request_timeout
+        # unfinished multipart uploads the last open() for writing aborted (S3)
+        self.uploads_aborted: list[Any] = []
         self._retries = retries
         if sys.byteorder != "little":  # pragma: no cover - no big-endian test machine
             raise ConfigurationError("ZarrTier writes raw little-endian chunks; this host is not")

@@ -107,6 +107,7 @@ from .layout import (
 )
 from .location import ZarrLocation
 from .store import DurableLocalStore
+from .uploads import Upload, UploadsError, abort_uploads, unfinished_uploads
 
 __all__ = ["ZarrTier"]
 
@@ -115,6 +116,8 @@ log = logging.getLogger("lazyckpt")
 
 # -- the tier -----------------------------------------------------------------------------------
 
+
+log = logging.getLogger(__name__)
 
 # the largest object one S3 PUT takes
 _MAX_PUT = 5 << 30
@@ -467,6 +470,30 @@ class ZarrTier(ZarrLocation):
         if self._committer and self._retired(await self._read_root()):
             # retired steps whose last referrer was deleted just before a crash
             await self.collect()
+        if self._committer and self._s3 is not None and self._leased:
+            # uploads other tools or earlier versions left unfinished (this tier makes none):
+            # with the lease held no live writer of this location owns one
+            try:
+                found = await self.unfinished_uploads()
+                if found:
+                    await self._confirm_owner()
+                    await abort_uploads(self._s3, found, self._timeout)
+                    self.uploads_aborted = found
+                    log.warning(
+                        "%s: aborted %d unfinished multipart uploads holding %d bytes",
+                        self.location, len(found), sum(u.bytes for u in found),
+                    )
+            except UploadsError as exc:  # a server without the calls: say so, open anyway
+                log.warning("%s: unfinished uploads not listed: %s", self.location, exc)
+
+    async def unfinished_uploads(self) -> list[Upload]:
+        """The unfinished multipart uploads under this S3 location (none elsewhere), each
+        with the bytes its parts hold: what ``lazyckpt ls`` reports and the writer's
+        ``open()`` and ``lazyckpt gc`` abort."""
+        if self._s3 is None:
+            return []
+        with self._backend("list unfinished uploads"):
+            return await unfinished_uploads(self._s3, self._timeout)
 
     async def collect(self, keep: Collection[int] = ()) -> list[int]:
         """Remove every retired step that no committed step refers to and that is not in
