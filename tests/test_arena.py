@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 
 import pytest
+import torch
 
 from lazyckpt import Block, ConfigurationError, HostArena
 
@@ -207,3 +209,24 @@ async def test_allocate_all_gives_back_a_part_when_the_space_is_fragmented(
 async def test_allocate_all_refuses_more_than_the_arena(arena: HostArena) -> None:
     with pytest.raises(ConfigurationError, match="do not fit an arena"):
         arena.try_allocate_all([32 << 10, 32 << 10, 4096])
+
+
+def test_an_open_that_only_reads_allocates_no_staging_arena(tmp_path: Path) -> None:
+    """The private staging arena is allocated by the first snapshot, never by an open that
+    restores, lists or verifies (a restarted job, the command line)."""
+    from lazyckpt import SyncCheckpointer
+    from tiers import FileTier
+
+    state = {"w": torch.randn(256, 256)}
+    with SyncCheckpointer([FileTier(tmp_path)]) as ckpt:
+        assert not ckpt._core.engine.arena.allocated
+        ckpt.snapshot(state, step=1).wait()
+        assert ckpt._core.engine.arena.allocated
+    with SyncCheckpointer([FileTier(tmp_path)]) as ckpt:
+        assert ckpt.steps() == [1]
+        assert torch.equal(ckpt.restore()["w"], state["w"])
+        assert ckpt.verify().ok
+        assert not ckpt._core.engine.arena.allocated
+        ckpt.snapshot(state, step=2).wait()  # and a later snapshot still gets one
+        assert ckpt._core.engine.arena.allocated
+        assert torch.equal(ckpt.restore(step=2)["w"], state["w"])

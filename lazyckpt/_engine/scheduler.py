@@ -133,6 +133,7 @@ class Engine(_Flows, _Commits, _Records):
         self.flights: dict[int, Flight] = {}
         self.protected: dict[int, int] = {}  # step -> restores in progress
         self._lock = threading.Lock()
+        self._arena_ready = asyncio.Lock()  # bound to the engine loop at its first use
         self._unreported: list[LazyCkptError] = []
         self._pending_captures: list[Flight] = []  # any thread, under _lock
         self._tg: asyncio.TaskGroup | None = None
@@ -186,7 +187,11 @@ class Engine(_Flows, _Commits, _Records):
             self.coordinator = await loop.run_in_executor(
                 None, Coordinator, self.rank, self.world_size, len(self.durable), timeout
             )
-        await loop.run_in_executor(None, self.arena.allocate_memory)
+        if self.host is not None:
+            # the host tier's memory is a tier: it is there from the open on
+            await loop.run_in_executor(None, self.arena.allocate_memory)
+        # the private staging arena waits for the first snapshot (_ensure_arena): an open
+        # that only restores, lists or verifies allocates and pre-faults nothing
         await asyncio.gather(*(t.open() for t in self.tiers))
         if self.coordinator is not None:
             # tiers that keep replicas on other ranks meet their peers (_replica)
@@ -370,7 +375,18 @@ class Engine(_Flows, _Commits, _Records):
     def _failed_at(self, flight: Flight, stage: int) -> bool:
         return flight.failed_from is not None and stage >= flight.failed_from
 
+    async def _ensure_arena(self) -> None:
+        """Allocate and pre-fault the private staging arena, once, before the first flight
+        takes a block of it (off the loop: it faults in every page)."""
+        if self.arena.allocated:
+            return
+        async with self._arena_ready:
+            if not self.arena.allocated:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, self.arena.allocate_memory)
+
     async def _run_flight(self, flight: Flight) -> None:
+        await self._ensure_arena()
         if self.increments.digesting:
             self.increments.choose_bases(flight)
             self.increments.fingerprint(flight)
