@@ -1,9 +1,14 @@
 """What a distributed tensor looks like in a snapshot: leaf helpers, nothing about restoring.
 
-A DTensor on a 1-D device mesh is captured as its local chunk (:func:`local_chunk`), and
-the manifest records where that chunk lies in the global tensor (:class:`DistInfo`). A
-tensor marked replicated (:class:`ReplicatedMarker`, the base of the public
-:class:`lazyckpt.Replicated`) is written by one rank only (:func:`writer_of`).
+A DTensor on any device mesh (N-D, a sub-mesh of some ranks, one per pipeline stage or
+expert group), with any mix of ``Shard(d)``, ``Replicate`` and the strided shard FSDP2 uses
+over a tensor-parallel one, is captured as its local chunk (:func:`local_chunk`), and the
+manifest records where that chunk lies in the global tensor (:class:`DistInfo`), as torch
+itself computes it (``compute_local_shape_and_global_offset``, what DCP records), and which
+ranks hold the same chunk (its replicas: the ranks that differ from this one only on the
+mesh's ``Replicate`` dimensions). A tensor marked replicated (:class:`ReplicatedMarker`, the
+base of the public :class:`lazyckpt.Replicated`) is held by every rank. A chunk held by
+several ranks is written by one of them (:func:`balance_writers`).
 
 This module sits below the state walk (``_format.walk``), which needs these to describe tensors;
 restoring and resharding (``_restore.reshard``) sit above it. It imports nothing of lazyckpt but
@@ -24,6 +29,7 @@ from .._errors import UnsupportedStateError
 __all__ = [
     "DistInfo",
     "ReplicatedMarker",
+    "balance_writers",
     "local_chunk",
     "replicated_info",
     "writer_of",
@@ -37,18 +43,22 @@ class DistInfo:
     Attributes:
         global_shape: the shape of the whole (unsharded) tensor.
         global_offset: where this rank's chunk starts in it, per dimension.
-        placements: ``("shard(d)",)`` or ``("replicate",)``: one per mesh dimension.
+        placements: ``"shard(d)"`` or ``"replicate"``, one per mesh dimension (a strided
+            shard is recorded as the shard it is; the offset says where its rows lie).
         mesh_size: ranks of the DTensor's mesh (``None`` for a plain tensor).
-        coordinate: this rank's place on that mesh.
-        writer: for a replicated tensor, the rank that stores it (set by
-            :func:`assign_writers`); ``None`` means this rank stores it.
+        coordinate: this rank's place on that mesh, one index per mesh dimension.
+        replicas: the global ranks holding this very chunk, ascending, this one included;
+            ``None`` for a tensor marked :class:`Replicated`: every rank of the job.
+        writer: for a chunk several ranks hold, the rank that stores it (set by
+            :func:`balance_writers`); ``None`` means this rank stores it.
     """
 
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
     placements: tuple[str, ...]
     mesh_size: int | None = None
-    coordinate: int | None = None
+    coordinate: tuple[int, ...] | None = None
+    replicas: tuple[int, ...] | None = None
     writer: int | None = None
 
 
@@ -84,63 +94,66 @@ class _LocalChunk(torch.Tensor):
         return int(self._owner._version) + own
 
 
-def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of chunk ``index`` when ``length`` rows are cut into ``parts``
-    the way ``torch.chunk`` (and so ``Shard``) cuts them; trailing chunks may be empty."""
-    size = -(-length // parts)
-    start = min(index * size, length)
-    return start, min(start + size, length)
+def _placement_name(p: Any, key: str) -> str:
+    """A placement as the manifest records it; a typed error for one lazyckpt cannot store."""
+    from torch.distributed.tensor import Replicate, Shard
 
-
-def _shard_dim(placements: tuple[str, ...]) -> int | None:
-    (p,) = placements
-    return None if p == "replicate" else int(p[len("shard(") : -1])
+    strided = getattr(sys.modules.get("torch.distributed.tensor.placement_types"), "_StridedShard", None)
+    if isinstance(p, Shard) or (strided is not None and isinstance(p, strided)):
+        return f"shard({p.dim})"
+    if isinstance(p, Replicate):
+        return "replicate"
+    raise UnsupportedStateError(
+        f"DTensor {key!r} has placement {p} on its mesh; lazyckpt stores Shard(d), the "
+        "strided shard of FSDP over tensor parallelism, and Replicate. Redistribute a "
+        "Partial (pending reduction) tensor to Replicate or Shard before snapshot()"
+    )
 
 
 def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | None:
     """For a DTensor, its local chunk (a view) and where it lies; ``None`` for any other
-    tensor. Raises :class:`UnsupportedStateError` for a layout lazyckpt cannot reshard."""
+    tensor. Raises :class:`UnsupportedStateError` for a placement lazyckpt cannot store."""
     module = sys.modules.get("torch.distributed.tensor")
     if module is None or not isinstance(t, module.DTensor):
         return None  # DTensor's module was never imported: this cannot be one
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = t.device_mesh
-    if mesh.ndim != 1:
+    placements = tuple(_placement_name(p, key) for p in t.placements)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
         raise UnsupportedStateError(
-            f"DTensor {key!r} lives on a {mesh.ndim}-D device mesh; lazyckpt checkpoints "
-            "DTensors on 1-D meshes only (FSDP2 fully_shard, or Shard/Replicate over all "
-            "ranks). Use torch.distributed.checkpoint for 2-D (HSDP, TP) layouts."
+            f"DTensor {key!r} lives on a device mesh this rank is not part of; snapshot only "
+            "the state this rank holds"
         )
-    (placement,) = t.placements
-    if type(placement) is Shard:
-        dim = placement.dim
-        placements: tuple[str, ...] = (f"shard({dim})",)
-    elif isinstance(placement, Replicate):
-        dim = None
-        placements = ("replicate",)
-    else:
-        raise UnsupportedStateError(
-            f"DTensor {key!r} has placement {placement}; lazyckpt supports Shard(d) and "
-            "Replicate (redistribute a Partial tensor first)"
-        )
-    size, coordinate = mesh.size(), mesh.get_local_rank()
     local = t.to_local().detach()
     gshape = tuple(t.shape)
-    offset = [0] * len(gshape)
-    expected = list(gshape)
-    if dim is not None:
-        start, stop = _chunk(gshape[dim], size, coordinate)
-        offset[dim], expected[dim] = start, stop - start
-    if list(local.shape) != expected:
+    shape, offset = compute_local_shape_and_global_offset(gshape, mesh, t.placements)
+    if tuple(local.shape) != tuple(shape):
         raise UnsupportedStateError(
-            f"DTensor {key!r}: rank {coordinate} holds {list(local.shape)} of "
-            f"{list(gshape)}, not the torch.chunk split {expected}; uneven sharding is "
-            "not supported"
+            f"DTensor {key!r}: rank {tuple(coordinate)} of its mesh holds "
+            f"{list(local.shape)} of {list(gshape)}, not the {list(shape)} its placements "
+            f"{list(t.placements)} give; a DTensor built with from_local(..., run_check=False) "
+            "from chunks of other shapes cannot be described"
         )
+    # the ranks holding this same chunk: equal coordinates on every dimension but the
+    # Replicate ones
+    ranks = mesh.mesh
+    index = []
+    for dim, p in enumerate(t.placements):
+        index.append(slice(None) if isinstance(p, Replicate) else coordinate[dim])
+    replicas = tuple(sorted(int(r) for r in ranks[tuple(index)].flatten().tolist()))
     view = local.as_subclass(_LocalChunk)
     view._owner = t
-    info = DistInfo(gshape, tuple(offset), placements, mesh_size=size, coordinate=coordinate)
+    info = DistInfo(
+        gshape,
+        tuple(int(o) for o in offset),
+        placements,
+        mesh_size=mesh.size(),
+        coordinate=tuple(int(c) for c in coordinate),
+        replicas=replicas,
+    )
     return view, info
 
 
@@ -150,6 +163,24 @@ def replicated_info(t: torch.Tensor) -> DistInfo:
 
 
 def writer_of(key: str, world_size: int) -> int:
-    """The rank that writes replicated tensor ``key``: stable across runs and ranks (it
-    depends on the key only), and spread evenly over the ranks."""
+    """A rank for ``key`` among ``world_size``: stable across runs and ranks (it depends on
+    the key only), spread over the ranks. Ties of :func:`balance_writers` start here."""
     return crc32c.crc32c(key.encode()) % world_size
+
+
+def balance_writers(chunks: list[tuple[str, int, tuple[int, ...]]]) -> list[int]:
+    """The writer of each chunk several ranks hold: ``(key, nbytes, replicas)`` in the order
+    of the state walk, the same list on every rank of a replica group. Each chunk goes to
+    the member of its group that has been given the fewest bytes so far (ties: the member
+    the key hashes to, then the lowest rank), counted per group: every member sees the same
+    chunks of its group in the same order, so every member makes the same choice without a
+    message, in every run; and each group's bytes spread evenly over its members."""
+    given: dict[tuple[tuple[int, ...], int], int] = {}
+    out = []
+    for key, nbytes, group in chunks:
+        first = writer_of(key, len(group))
+        order = [group[(first + i) % len(group)] for i in range(len(group))]
+        writer = min(order, key=lambda r: given.get((group, r), 0))
+        given[(group, writer)] = given.get((group, writer), 0) + nbytes
+        out.append(writer)
+    return out

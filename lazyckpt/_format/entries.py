@@ -148,7 +148,7 @@ def _decode_dist(t: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
             raise CorruptionError(f"tensor {t['key']!r}: bad global shape/offset")
     if any(o + n > g for o, n, g in zip(goffset, shape, gshape, strict=True)):
         raise CorruptionError(f"tensor {t['key']!r}: its chunk lies outside the global tensor")
-    if not isinstance(placements, list) or len(placements) != 1:
+    if not isinstance(placements, list) or not 1 <= len(placements) <= 16:
         raise CorruptionError(f"tensor {t['key']!r}: bad placements {placements!r:.40}")
     for p in placements:
         m = _PLACEMENT.match(p) if isinstance(p, str) else None

@@ -34,18 +34,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from .._distributed.chunks import (
-    DistInfo,
-    ReplicatedMarker,
-    _chunk,
-    _shard_dim,
-    writer_of,
-)
+from .._distributed.chunks import ReplicatedMarker, balance_writers
 from .._errors import (
     ConfigurationError,
     CorruptionError,
@@ -107,28 +101,34 @@ class Replicated(ReplicatedMarker):
 
 
 def assign_writers(refs: Sequence[TensorRef], rank: int, world_size: int, dedup: bool) -> None:
-    """Check every DTensor's mesh is this world, and pick the writer of each replicated
-    tensor (only when ``dedup``: every durable tier can read other ranks' data)."""
-    for ref in refs:
+    """Pick the writer of each chunk several ranks hold (only when ``dedup``: every durable
+    tier can read other ranks' data), balancing bytes within each group of ranks holding
+    the same chunks (:func:`balance_writers`)."""
+    if not dedup or world_size == 1:
+        return
+    shared: list[tuple[int, tuple[int, ...]]] = []
+    for i, ref in enumerate(refs):
         info = ref.dist
         if info is None:
             continue
-        if info.mesh_size is not None and (info.mesh_size != world_size or info.coordinate != rank):
+        group = info.replicas if info.replicas is not None else tuple(range(world_size))
+        if len(group) < 2:
+            continue
+        if group[-1] >= world_size or rank not in group:
             raise UnsupportedStateError(
-                f"DTensor {ref.key!r} is on a mesh of {info.mesh_size} ranks where this rank "
-                f"is {info.coordinate}, but the Checkpointer runs as rank {rank} of "
-                f"{world_size}; its mesh must span every rank in rank order (open the "
-                "Checkpointer with torch.distributed initialized, distributed=None or True)"
+                f"DTensor {ref.key!r} is held by ranks {list(group)}, but the Checkpointer "
+                f"runs as rank {rank} of {world_size}: its device mesh must be built over "
+                "the default process group the Checkpointer uses"
             )
-        if dedup and world_size > 1 and info.placements == ("replicate",):
-            ref.dist = DistInfo(
-                info.global_shape,
-                info.global_offset,
-                info.placements,
-                info.mesh_size,
-                info.coordinate,
-                writer=writer_of(ref.key, world_size),
-            )
+        shared.append((i, group))
+    chunks = [
+        (refs[i].key, refs[i].tensor.numel() * refs[i].tensor.element_size(), group)
+        for i, group in shared
+    ]
+    for (i, _), writer in zip(shared, balance_writers(chunks), strict=True):
+        ref = refs[i]
+        assert ref.dist is not None
+        ref.dist = replace(ref.dist, writer=writer)
 
 
 # -- restore ------------------------------------------------------------------------------
@@ -234,6 +234,13 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
+def _volume(box: Box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
 def _slices(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
 
@@ -261,20 +268,31 @@ def _region_for(
     return full
 
 
-def _holders(meta: TensorMeta, base: Manifest) -> list[tuple[int, Box]]:
-    """The saved ranks holding parts of a tensor, with the global box each holds."""
+def _holders(
+    meta: TensorMeta, base: Manifest, held: Mapping[str, list[tuple[int, Box]]]
+) -> list[tuple[int, Box]]:
+    """The saved ranks holding parts of a tensor, with the global box each holds: for a
+    distributed tensor, what the saved ranks' manifests record (each box once: of several
+    ranks holding the same chunk, the base rank if it is one, else the first)."""
     if meta.placements is None:  # a per-rank tensor: the base rank's own
         return [(base.rank, _box((0,) * len(meta.shape), meta.shape))]
-    assert meta.global_shape is not None
-    full = _box((0,) * len(meta.global_shape), meta.global_shape)
-    dim = _shard_dim(meta.placements)
-    if dim is None:
-        return [(meta.writer if meta.writer is not None else base.rank, full)]
-    found = []
-    for r in range(base.world_size):
-        start, stop = _chunk(meta.global_shape[dim], base.world_size, r)
-        found.append((r, tuple((start, stop) if d == dim else span for d, span in enumerate(full))))
-    return found
+    found: dict[Box, int] = {}
+    for r, box in held.get(meta.key, []):
+        if box not in found or r == base.rank:
+            found[box] = r
+    return [(r, box) for box, r in found.items()]
+
+
+def _held_boxes(manifests: Mapping[int, Manifest]) -> dict[str, list[tuple[int, Box]]]:
+    """Per tensor key, the boxes of the global tensor each saved rank stores itself."""
+    held: dict[str, list[tuple[int, Box]]] = {}
+    for r, m in sorted(manifests.items()):
+        for meta in m.tensors:
+            if meta.placements is None or meta.mode == "replica":
+                continue
+            assert meta.global_offset is not None
+            held.setdefault(meta.key, []).append((r, _box(meta.global_offset, meta.shape)))
+    return held
 
 
 async def restore_resharded(
@@ -301,6 +319,28 @@ async def restore_resharded(
     check_optimizers(align_into(base, into, rename=False), into)
     device = torch.device(map_location) if map_location is not None else None
     targets = _targets(into)
+    readers = await _readers(all_tiers, base.step)
+    sem = asyncio.Semaphore(concurrency)
+    # where every chunk lies is in the saved ranks' manifests: read them all, once each,
+    # when anything is distributed (the chunks of any layout are boxes of the global tensor)
+    manifests: dict[int, Manifest] = {base.rank: base}
+    if any(m.placements is not None for m in base.tensors) and base.world_size > 1:
+        if not readers:
+            raise CorruptionError(
+                f"step {base.step}: rank {rank} needs the other ranks' manifests, but no "
+                "tier holding the step can read other ranks' parts "
+                f"({[t.name for t in sources]})"
+            )
+
+        async def manifest_of(r: int) -> None:
+            async with sem:
+                manifests[r] = await _read_rank_manifest(readers, base.step, r)
+
+        async with asyncio.TaskGroup() as tg:
+            for r in range(base.world_size):
+                if r != base.rank:
+                    tg.create_task(manifest_of(r))
+    held = _held_boxes(manifests)
     wanted: list[_Wanted | None] = []
     pieces: dict[int, list[_Piece]] = {}
     for meta in base.tensors:
@@ -331,27 +371,27 @@ async def restore_resharded(
             staging = final = value = torch.empty(shape, dtype=meta.torch_dtype)
         want = _Wanted(meta, region, staging, final, value)
         wanted.append(want)
-        for holder, held in _holders(meta, base):
-            overlap = _intersect(held, region)
+        holders = _holders(meta, base, held)
+        covered = 0
+        for holder, box in holders:
+            overlap = _intersect(box, region)
             if overlap is not None:
                 pieces.setdefault(holder, []).append(_Piece(want, holder, overlap))
+                covered += _volume(overlap)
+        if meta.placements is not None and covered < _volume(region):
+            raise CorruptionError(
+                f"step {base.step}: the saved chunks of {meta.key!r} do not cover the region "
+                f"{[list(span) for span in region]} of its global shape "
+                f"{list(meta.global_shape or ())}"
+            )
 
-    readers = await _readers(all_tiers, base.step)
-    sem = asyncio.Semaphore(concurrency)
     problems: list[Exception] = []
 
     async def from_rank(r: int, todo: list[_Piece]) -> None:
         if r == base.rank:
             manifest, tiers = base, list(sources)
         else:
-            if not readers:
-                raise CorruptionError(
-                    f"step {base.step}: rank {rank} needs rank {r}'s data, but no tier "
-                    f"holding the step can read other ranks' parts ({[t.name for t in sources]})"
-                )
-            async with sem:
-                manifest = await _read_rank_manifest(readers, base.step, r)
-            tiers = readers
+            manifest, tiers = manifests[r], readers
         await _fill_from(manifest, tiers, todo, sem, problems, checksum)
 
     try:
@@ -471,11 +511,7 @@ def _saved_box(manifest: Manifest, meta: TensorMeta, piece: _Piece) -> Box:
         return _box((0,) * len(meta.shape), meta.shape)
     assert meta.global_offset is not None
     box = _box(meta.global_offset, meta.shape)
-    if (
-        meta.global_shape != wanted.global_shape
-        or meta.placements != wanted.placements
-        or _intersect(box, piece.overlap) != piece.overlap
-    ):
+    if meta.global_shape != wanted.global_shape or _intersect(box, piece.overlap) != piece.overlap:
         raise CorruptionError(
             f"rank {manifest.rank}'s chunk of {meta.key!r} in step {manifest.step} is not "
             "where the sharding says it is"
