@@ -1,0 +1,183 @@
+"""One rank of a job laid out with torch's own parallelism APIs, for tests/test_layouts.py.
+
+``layouts_worker.py SCENARIO LAYOUT ROOT OUT`` on 4 gloo ranks (or any world for ``fsdp``).
+Layouts of a two-block MLP trained with AdamW:
+
+- ``hsdp``: ``fully_shard`` on a 2-D mesh (replicate 2 x shard 2), plus an expert weight
+  sharded over the mesh's shard dimension and replicated over the other;
+- ``fsdp_tp``: ``parallelize_module`` (colwise, rowwise) on the ``tp`` dimension, then
+  ``fully_shard`` on ``dp`` (FSDP2 over tensor parallelism: strided shards);
+- ``pp``: two pipeline stages, each ``fully_shard`` over its own pair of ranks, each
+  rank holding only its stage's block (the full model's names kept);
+- ``fsdp``: ``fully_shard`` over every rank (a 1-D mesh), the target of other layouts.
+
+Scenarios: ``train`` snapshots every step with the guard on and records the losses of the
+steps after the snapshot it resumes from; ``resume`` restores that snapshot into a model and
+optimizer built from another seed on the same layout and trains on, recording the losses;
+``reshard`` restores the model saved on another layout into this one and records whether
+every full tensor matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import lazyckpt
+from tiers import FileTier
+
+if __package__ in (None, ""):  # run as a script: make the helpers package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from helpers.ranks import end_rank
+
+RESUME_AT = 3  # the step resumed from: losses of steps 4 and 5 are compared
+STEPS = 5
+OPTIONS: dict[str, Any] = {"shard_size": 1 << 16, "deadline": 60.0}
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Linear(16, 32)
+        self.w2 = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = torch.nn.ModuleDict({"0": Block(), "1": Block()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(x)
+        return x
+
+
+def build(layout: str, seed: int) -> tuple[torch.nn.Module, dict[str, Any], Any]:
+    """The model laid out, the extra distributed state, and the data parallel coordinate
+    (which batch this rank sees)."""
+    world = dist.get_world_size()
+    model = Net(seed)
+    extra: dict[str, Any] = {}
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, extra, dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    if layout == "hsdp":
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        g = torch.Generator().manual_seed(seed + 1)
+        experts = torch.randn(4, 8, 8, generator=g)  # sharded over "b", replicated over "a"
+        extra["experts"] = distribute_tensor(experts, mesh, [Replicate(), Shard(0)])
+        return model, extra, dist.get_rank()
+    if layout == "fsdp_tp":
+        for block in model.layers.values():
+            parallelize_module(block, mesh["b"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+            fully_shard(block, mesh=mesh["a"])
+        fully_shard(model, mesh=mesh["a"])
+        return model, extra, mesh.get_coordinate()[0]  # the tp ranks see the same batch
+    if layout == "pp":
+        stage = mesh.get_coordinate()[0]
+        del model.layers[str(1 - stage)]  # this stage's block only, under its full name
+        fully_shard(model.layers[str(stage)], mesh=mesh["b"])
+        return model, extra, dist.get_rank()
+    raise SystemExit(f"unknown layout {layout}")
+
+
+def batch(step: int, dp: int) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + dp))
+
+
+def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, dp: int) -> float:
+    optim.zero_grad()
+    loss = model(batch(step, dp)).pow(2).mean()
+    loss.backward()
+    optim.step()
+    return float(loss.detach().item())
+
+
+def full(v: Any) -> torch.Tensor:
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
+def model_full(model: torch.nn.Module, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": full(v).detach().clone() for k, v in model.state_dict().items()}
+    out.update({k: full(v).clone() for k, v in extra.items()})
+    return out
+
+
+async def train(layout: str, root: Path, out: Path) -> dict[str, Any]:
+    model, extra, dp = build(layout, seed=1)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses: dict[int, float] = {}
+    result: dict[str, Any] = {}
+    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+        ckpt.guard(optim)
+        for step in range(1, STEPS + 1):
+            losses[step] = train_step(model, optim, step, dp)
+            handle = await ckpt.snapshot({"model": model, "optim": optim, **extra}, step=step)
+            if step == RESUME_AT:
+                await handle.committed()
+                result["saved"] = {k: v.tolist() for k, v in model_full(model, extra).items()}
+        await ckpt.drain()
+        result["steps"] = await ckpt.steps()
+    result["losses"] = {str(k): v for k, v in losses.items() if k > RESUME_AT}
+    return result
+
+
+async def resume(layout: str, root: Path, out: Path) -> dict[str, Any]:
+    model, extra, dp = build(layout, seed=99)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, optim, 0, dp)  # the optimizer's state exists, to be overwritten
+    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+        await ckpt.restore(RESUME_AT, into={"model": model, "optim": optim, **extra})
+    losses = {str(step): train_step(model, optim, step, dp) for step in range(RESUME_AT + 1, STEPS + 1)}
+    return {"losses": losses}
+
+
+async def reshard(layout: str, root: Path, out: Path) -> dict[str, Any]:
+    """Restore the model saved (on another layout) into this layout's model."""
+    model, extra, _ = build(layout, seed=99)
+    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+        await ckpt.restore(RESUME_AT, into={"model": model, **extra})
+    return {"restored": {k: v.tolist() for k, v in model_full(model, extra).items()}}
+
+
+SCENARIOS = {"train": train, "resume": resume, "reshard": reshard}
+
+
+def main() -> None:
+    scenario, layout, root, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    result = asyncio.run(SCENARIOS[scenario](layout, root, out))
+    result["rank"] = rank
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    end_rank()
+
+
+if __name__ == "__main__":
+    main()

