@@ -169,18 +169,22 @@ def writer_of(key: str, world_size: int) -> int:
 
 
 def balance_writers(chunks: list[tuple[str, int, tuple[int, ...]]]) -> list[int]:
-    """The writer of each chunk several ranks hold: ``(key, nbytes, replicas)`` in the order
-    of the state walk, the same list on every rank of a replica group. Each chunk goes to
-    the member of its group that has been given the fewest bytes so far (ties: the member
-    the key hashes to, then the lowest rank), counted per group: every member sees the same
-    chunks of its group in the same order, so every member makes the same choice without a
-    message, in every run; and each group's bytes spread evenly over its members."""
+    """The writer of each chunk several ranks hold, for ``(key, nbytes, replicas)`` listed
+    in the order of the state walk, the same list on every rank of a replica group.
+
+    Largest first (ties by key), each chunk goes to the member of its group that has been
+    given the fewest bytes so far (ties: the member the key hashes to, then the next ones),
+    counted per group: every member sees the same chunks of its group, so every member makes
+    the same choice without a message, in every run, and each group's bytes spread evenly
+    over its members (within the largest chunk of the group)."""
     given: dict[tuple[tuple[int, ...], int], int] = {}
-    out = []
-    for key, nbytes, group in chunks:
+    out = [0] * len(chunks)
+    order = sorted(range(len(chunks)), key=lambda i: (-chunks[i][1], chunks[i][0]))
+    for i in order:
+        key, nbytes, group = chunks[i]
         first = writer_of(key, len(group))
-        order = [group[(first + i) % len(group)] for i in range(len(group))]
-        writer = min(order, key=lambda r: given.get((group, r), 0))
+        members = [group[(first + j) % len(group)] for j in range(len(group))]
+        writer = min(members, key=lambda r: given.get((group, r), 0))
         given[(group, writer)] = given.get((group, writer), 0) + nbytes
-        out.append(writer)
+        out[i] = writer
     return out
