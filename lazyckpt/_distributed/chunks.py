@@ -113,6 +113,15 @@ def _placement_name(p: Any, key: str) -> str:
 def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | None:
     """For a DTensor, its local chunk (a view) and where it lies; ``None`` for any other
     tensor. Raises :class:`UnsupportedStateError` for a placement lazyckpt cannot store."""
+    legacy = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    if legacy is not None and isinstance(t, legacy.ShardedTensor):
+        raise UnsupportedStateError(
+            f"{key!r} is a ShardedTensor (torch's legacy sharded tensor: FSDP1's "
+            "SHARDED_STATE_DICT, accelerate's FSDP1 default), which lazyckpt does not store. "
+            "lazyckpt stores torch tensors and DTensors: use FSDP2 (fully_shard) or "
+            "get_model_state_dict/get_optimizer_state_dict from "
+            "torch.distributed.checkpoint.state_dict, which give DTensors, or a full state dict"
+        )
     module = sys.modules.get("torch.distributed.tensor")
     if module is None or not isinstance(t, module.DTensor):
         return None  # DTensor's module was never imported: this cannot be one
