@@ -88,3 +88,14 @@ def test_one_process_restores_full_tensors(trained: tuple[str, Path, dict[int, A
     assert got.keys() == expected.keys()
     for k, v in got.items():
         assert torch.equal(v, expected[k]), k
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
+def test_the_dcp_backend_saves_and_loads_a_2d_layout(layout: str, tmp_path: Path) -> None:
+    """``dcp.save``/``dcp.load`` through ``LazyStorageWriter``/``LazyStorageReader``, with
+    torch's own state-dict helpers, on HSDP and FSDP over tensor parallelism."""
+    res = launch("dcp", layout, tmp_path / "ckpt", tmp_path / "out")
+    for rank, r in res.items():
+        assert r["mismatch"] == [], rank
+        first, second = r["next_loss"]
+        assert first == second, rank
