@@ -4,7 +4,8 @@
   fsynced, then the commit) against one plain sequential ``os.write`` + ``fsync`` of the
   same bytes to the same file system.
 - **s3**: ``ZarrTier("s3://...")`` against plain obstore puts of the same shard bytes, with
-  the same number of puts in flight, both to moto on 127.0.0.1.
+  the same number of puts in flight, both to a real S3 server on 127.0.0.1 (SeaweedFS's
+  ``weed mini``, in a process of its own: tests/helpers/seaweed.py).
 - **encode**: zarr's own ``AsyncArray.setitem`` against writing encoded chunk bytes straight
   to the store (what ZarrTier does), same array, same store.
 - **objects**: how many objects one snapshot of a model with 1000 tensors takes.
@@ -23,10 +24,8 @@ import asyncio
 import datetime as dt
 import json
 import os
-import re
-import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # helpers.seaweed
 
 from common import (
     REPO,
@@ -198,53 +198,27 @@ def _rates(times: dict[str, list[float]], nbytes: int, *, baseline: str) -> dict
 # -- S3 ----------------------------------------------------------------------------------------
 
 
-def start_moto() -> tuple[subprocess.Popen[str], str]:
-    """moto's S3 server in a process of its own on a free loopback port, as a real S3 would
-    be (in this process it would share the interpreter lock with the code it measures)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        m = re.search(r"Running on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            # keep draining its log so that the server never blocks on a full pipe
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, m.group(1)
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    proc.wait()
-    raise RuntimeError("the moto server did not start")
-
-
 async def bench_s3(size: int, reps: int, progress: Progress) -> dict[str, Any]:
-    import boto3
     import obstore
+    from helpers.seaweed import start_seaweed, stop_seaweed
     from obstore.store import S3Store
 
-    proc, endpoint = start_moto()
+    where = tempfile.TemporaryDirectory(prefix="bench-zarr-s3-")
+    handle, server = start_seaweed(where.name)
     try:
-        creds = {"access_key_id": "bench", "secret_access_key": "bench", "region": "us-east-1"}
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="bench",
-            aws_secret_access_key="bench",
-        ).create_bucket(Bucket="bench")
         plain = S3Store(
-            "bench",
+            server.bucket,
             prefix="plain",
-            config={"endpoint": endpoint, **creds, "virtual_hosted_style_request": False},
+            config={
+                "endpoint": server.endpoint,
+                "region": server.region,
+                "access_key_id": server.access_key_id,
+                "secret_access_key": server.secret_access_key,
+                "virtual_hosted_style_request": False,
+            },
             client_options={"allow_http": True},
         )
-        tier = ZarrTier("s3://bench/zarr", endpoint_url=endpoint, allow_http=True, **creds)
+        tier = ZarrTier(f"s3://{server.bucket}/zarr", **server.tier_options())
         await tier.open()
         manifest, payloads = build_snapshot(
             1, weights_state(size), shard_size=SHARD, pack_bytes=MiB
@@ -281,12 +255,8 @@ async def bench_s3(size: int, reps: int, progress: Progress) -> dict[str, Any]:
         finally:
             await tier.aclose()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_seaweed(handle)
+        where.cleanup()
 
 
 # -- setitem against raw chunk writes ----------------------------------------------------------
@@ -409,7 +379,7 @@ def table(results: dict[str, Any]) -> str:
     if "local" in results:
         rows(f"local path, {results['local']['bytes'] / MiB:.0f} MiB", results["local"])
     if "s3" in results:
-        rows(f"S3 (moto, loopback), {results['s3']['bytes'] / MiB:.0f} MiB", results["s3"])
+        rows(f"S3 (SeaweedFS, loopback), {results['s3']['bytes'] / MiB:.0f} MiB", results["s3"])
     for store, entry in results.get("encode", {}).items():
         rows(f"encode into {store}", entry)
     if "objects" in results:

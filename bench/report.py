@@ -402,6 +402,20 @@ def write_markdown(results: dict[str, Any], path: Path, img_rel: str | None = No
                     f"the arena made captures wait {lazy['arena_waits']} times.",
                 ]
             lines.append("")
+    if "s3_real" in r:
+        import s3_real
+
+        q = r["s3_real"]
+        lines += [
+            "## ZarrTier on a real S3 server (SeaweedFS on loopback) against plain obstore",
+            "",
+            f"{q['server']['version']}; {q['reps']} alternating repetitions; plain: the same "
+            f"data objects, {q['inflight']} requests in flight. Ratio lazyckpt / plain per "
+            "repetition, median [min-max].",
+            "",
+            s3_real.table(q),
+            "",
+        ]
     model = scaling_model(results)
     if model:
         lines += [

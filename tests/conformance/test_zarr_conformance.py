@@ -1,4 +1,4 @@
-"""ZarrTier passes the tier conformance suite on a local path and on S3 (moto, loopback)."""
+"""ZarrTier passes the tier conformance suite on a local path and on S3 (SeaweedFS, loopback)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """A training-like process for the crash tests: snapshots a reproducible state every step.
 
-Run as ``python crash_child.py ROOT TIER FIRST_STEP LAST_STEP [WAIT]`` where WAIT is
+Run as ``python crash_child.py ROOT TIER FIRST_STEP LAST_STEP [WAIT]`` (ROOT a directory, or
+an S3 prefix ``s3://bucket/prefix``: see :func:`durable_tier`) where WAIT is
 ``captured`` (the default, as a guarded training loop does) or ``committed`` (each snapshot
 is durable before the next step starts). The state of step s is a pure
 function of s (see :func:`state_of`), so a checker in another process can rebuild exactly
@@ -68,13 +69,24 @@ def incremental_mode() -> bool | str:
     return {"": False, "1": True}.get(mode, mode)
 
 
-def durable_tier(root: Path, kind: str, **kwargs: Any) -> lazyckpt.Tier:
+def durable_tier(root: Path | str, kind: str, **kwargs: Any) -> lazyckpt.Tier:
+    """The durable tier of kind ``kind`` under ``root``: a directory, or an S3 prefix
+    (``s3://bucket/prefix``, ZarrTier only), whose server and credentials come from the
+    standard ``AWS_*`` environment variables, with a lease of ``LAZYCKPT_CHILD_LEASE``
+    seconds where that is set (a killed writer's lease must run out before the next one
+    opens: a short one keeps the kill tests quick)."""
+    if isinstance(root, str) and root.startswith("s3://"):
+        lease = os.environ.get("LAZYCKPT_CHILD_LEASE")
+        if lease:
+            kwargs.setdefault("lease_seconds", float(lease))
+        return lazyckpt.load_tier(kind, f"{root}/{kind}", **kwargs)
+    root = Path(root)
     if kind == "file":
         return FileTier(root / "file", **kwargs)
     return lazyckpt.load_tier(kind, str(root / kind), **kwargs)
 
 
-async def main(root: Path, kind: str, first: int, last: int, wait: str) -> None:
+async def main(root: Path | str, kind: str, first: int, last: int, wait: str) -> None:
     chain = [HostMemoryTier(4 << 20), durable_tier(root, kind, keep_last=3)]
     pause = float(os.environ.get("LAZYCKPT_CHILD_PAUSE", "0"))  # seconds between steps
     incremental = incremental_mode()
@@ -98,4 +110,5 @@ async def main(root: Path, kind: str, first: int, last: int, wait: str) -> None:
 
 if __name__ == "__main__":
     wait = sys.argv[5] if len(sys.argv) > 5 else "captured"
-    asyncio.run(main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), wait))
+    where = sys.argv[1] if sys.argv[1].startswith("s3://") else Path(sys.argv[1])
+    asyncio.run(main(where, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), wait))

@@ -10,7 +10,15 @@ that goes away mid-upload and comes back with its data), and pauses and resumes 
 (``handle.pause()``/``handle.resume()``: SIGSTOP/SIGCONT, a server that hangs).
 
 Differences from moto that tests meet: wrong credentials are refused (403
-SignatureDoesNotMatch, InvalidAccessKeyId); ``If-Match`` on a missing key answers 412, not 404.
+SignatureDoesNotMatch, InvalidAccessKeyId); ``If-Match`` on a missing key answers 412, not 404;
+a prefix whose last object was deleted is still listed as a common prefix (a delimited
+listing, ``list_dir``) for several seconds, until SeaweedFS removes the empty folder (S3 lists
+only prefixes that hold objects: count groups from a flat listing, as
+``conftest_s3.stored_groups`` does).
+
+``shared_seaweed`` (the fixtures ``seaweed_server`` here and ``conftest_s3.s3_server``) is
+the one server of a test session; a watchdog process beside each server stops it should the
+test process end without doing so (pytest-timeout's ``os._exit``).
 """
 
 from __future__ import annotations
@@ -95,7 +103,7 @@ def weed_binary() -> str | None:
 
 @dataclass(frozen=True)
 class SeaweedServer:
-    """Where the server listens and how to reach it (``conftest_s3.S3Server``, for moto too)."""
+    """Where the server listens and how to reach it (``conftest_s3.S3Server``)."""
 
     endpoint: str
     bucket: str = BUCKET

@@ -215,7 +215,7 @@ class ZarrTier(ZarrLocation):
                     tier=self.name,
                 )
             token = self._incarnation
-            if token is not None:
+            if token is not None and manifest.world_size == 1:
                 # on S3 a writer writes its steps into groups named after its lease token:
                 # objects no other incarnation names, so a writer that stalled past its
                 # lease can neither overwrite nor delete what the taker writes
