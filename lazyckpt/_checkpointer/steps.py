@@ -82,6 +82,7 @@ class _StepOps:
                     map_location=map_location,
                     allow_pickle=self.options.allow_pickle,
                     checksum=checksum,
+                    exchange=self.engine.coordinator,
                 )
                 self.lazy.forget(into)
                 return resharded

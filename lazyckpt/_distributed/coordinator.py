@@ -80,6 +80,10 @@ class Coordinator:
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"lazyckpt-coord-{i}")
             for i in range(stages + 1)
         ]
+        # restores that read a shard once and send it to the other ranks needing it
+        self._transfers: Any = dist.new_group(backend="gloo", timeout=span)
+        self.sent_bytes = 0
+        self.received_bytes = 0
         self._broken: list[BaseException | None] = [None] * (stages + 1)
         self._busy = [0] * (stages + 1)  # collectives submitted and not yet returned
         self.collectives = 0
@@ -153,6 +157,38 @@ class Coordinator:
     async def barrier(self) -> None:
         await self.gather(0, None)
 
+    # -- shards sent between ranks (a restore reading each stored byte once) ----------------
+
+    def isend(self, tensor: Any, dst: int, tag: int) -> Any:
+        """Start sending a CPU tensor to rank ``dst`` on the transfer group (non-blocking)."""
+        import torch.distributed as dist
+
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        return dist.isend(tensor, dst, group=self._transfers, tag=tag)
+
+    def irecv(self, tensor: Any, src: int, tag: int) -> Any:
+        """Start receiving into a CPU tensor from rank ``src`` (non-blocking)."""
+        import torch.distributed as dist
+
+        self.received_bytes += tensor.numel() * tensor.element_size()
+        return dist.irecv(tensor, src, group=self._transfers, tag=tag)
+
+    async def wait(self, works: list[Any]) -> list[BaseException | None]:
+        """Wait for started sends and receives, off the loop; each one's error or ``None``
+        (a peer that died or hung past the timeout fails its transfers, not the wait)."""
+
+        def wait_all() -> list[BaseException | None]:
+            out: list[BaseException | None] = []
+            for work in works:
+                try:
+                    work.wait()
+                    out.append(None)
+                except Exception as exc:  # gloo: a timeout or a dead peer
+                    out.append(exc)
+            return out
+
+        return await asyncio.to_thread(wait_all)
+
     def close(self) -> None:
         """Stop the collective threads and destroy lazyckpt's own gloo groups, so that
         none of their threads is alive when the process exits (gloo aborts the process,
@@ -175,3 +211,6 @@ class Coordinator:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(group)
         self._groups = []
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._transfers)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .._distributed.chunks import ReplicatedMarker, balance_writers
+from .._distributed.coordinator import Coordinator
 from .._errors import (
     ConfigurationError,
     CorruptionError,
@@ -307,6 +308,7 @@ async def restore_resharded(
     allow_pickle: bool,
     concurrency: int = 4,
     checksum: Checksum = thread_checksum,
+    exchange: Coordinator | None = None,
 ) -> Any:
     """Rebuild the state from ``base`` (a saved rank's manifest), reading each tensor's
     overlapping parts from whichever saved ranks hold them (see the module docstring);
@@ -386,18 +388,12 @@ async def restore_resharded(
             )
 
     problems: list[Exception] = []
-
-    async def from_rank(r: int, todo: list[_Piece]) -> None:
-        if r == base.rank:
-            manifest, tiers = base, list(sources)
-        else:
-            manifest, tiers = manifests[r], readers
-        await _fill_from(manifest, tiers, todo, sem, problems, checksum)
-
+    fills = {
+        r: _plan_fill(manifests[r], list(sources) if r == base.rank else readers, todo)
+        for r, todo in pieces.items()
+    }
     try:
-        async with asyncio.TaskGroup() as tg:
-            for r, todo in pieces.items():
-                tg.create_task(from_rank(r, todo))
+        await _read_fills(fills, sem, problems, checksum, exchange, rank)
     except ExceptionGroup as group:
         raise first_error(group) from None
 
@@ -421,16 +417,18 @@ async def restore_resharded(
     return state
 
 
-async def _fill_from(
-    manifest: Manifest,
-    tiers: Sequence[Tier],
-    todo: list[_Piece],
-    sem: asyncio.Semaphore,
-    problems: list[Exception],
-    checksum: Checksum,
-) -> None:
-    """Read the shards of ``manifest`` that hold the pieces, once each, and copy the
-    pieces into their wanted tensors."""
+@dataclass
+class _Fill:
+    """What one saved rank's shards give this restore: per shard, the pieces it holds."""
+
+    manifest: Manifest
+    tiers: Sequence[Tier]
+    by_shard: dict[int, list[tuple[_Piece, int, Box]]]
+    flat: list[tuple[_Piece, int, Box, torch.Tensor]]
+
+
+def _plan_fill(manifest: Manifest, tiers: Sequence[Tier], todo: list[_Piece]) -> _Fill:
+    """The shards of ``manifest`` that hold the pieces, each listed once, with the pieces."""
     index = {m.key: i for i, m in enumerate(manifest.tensors)}
     by_shard: dict[int, list[tuple[_Piece, int, Box]]] = {}
     flat: list[tuple[_Piece, int, Box, torch.Tensor]] = []
@@ -462,43 +460,145 @@ async def _fill_from(
                 if seg.stop + origin[0][0] <= lo or seg.start + origin[0][0] >= hi:
                     continue  # this chunk of rows lies outside the piece
             by_shard.setdefault(s, []).append((piece, i, origin))
-    scratch_of = {(id(p), i): t for p, i, _, t in flat}
+    return _Fill(manifest, tiers, by_shard, flat)
 
-    async def one(s: int) -> None:
-        shard = manifest.shards[s]
-        buffer = torch.empty(shard.length, dtype=torch.uint8)
+
+def _copy_shard(fill: _Fill, s: int, buffer: torch.Tensor) -> None:
+    """Copy the pieces shard ``s`` holds from its verified bytes into the wanted tensors."""
+    manifest = fill.manifest
+    scratch_of = {(id(p), i): t for p, i, _, t in fill.flat}
+    shard = manifest.shards[s]
+    for piece, i, origin in fill.by_shard[s]:
+        meta = manifest.tensors[i]
+        for seg in shard.segments:
+            if seg.tensor != i:
+                continue
+            data = manifest.shard_part(seg, buffer)
+            if meta.mode == "flat":
+                manifest.tensor_part(seg, scratch_of[(id(piece), i)]).copy_(data)
+                continue
+            if meta.mode == "rows":  # the segment holds rows start:stop of the chunk
+                row0 = origin[0][0] + seg.start
+                held = ((row0, row0 + seg.stop - seg.start), *origin[1:])
+            else:
+                held = origin
+            part = _intersect(held, piece.overlap)
+            if part is None:
+                continue
+            target = piece.wanted
+            target.staging[_slices(part, target.region)].copy_(data[_slices(part, held)])
+
+
+def _share_plan(
+    everyone: Sequence[Sequence[tuple[int, int, int]]],
+) -> dict[tuple[int, int], tuple[int, list[int], int]]:
+    """For every stored shard several ranks need (``(saved rank, shard, length)`` per rank),
+    who reads it, who gets it from that reader, and the message tag: the same plan on every
+    rank. Largest first, each shard goes to the needing rank that has been given the fewest
+    bytes to read for others, so the reading spreads as the bytes do."""
+    needers: dict[tuple[int, int], list[int]] = {}
+    length: dict[tuple[int, int], int] = {}
+    for rank, needs in enumerate(everyone):
+        for r, s, n in needs:
+            needers.setdefault((r, s), []).append(rank)
+            length[(r, s)] = n
+    shared = sorted(k for k, v in needers.items() if len(v) > 1)
+    tags = {k: i for i, k in enumerate(shared)}
+    given: dict[int, int] = {}
+    plan: dict[tuple[int, int], tuple[int, list[int], int]] = {}
+    for key in sorted(shared, key=lambda k: (-length[k], k)):
+        group = sorted(needers[key])
+        first = (key[0] * 7919 + key[1]) % len(group)
+        order = group[first:] + group[:first]
+        reader = min(order, key=lambda r: given.get(r, 0))
+        given[reader] = given.get(reader, 0) + length[key]
+        plan[key] = (reader, [r for r in group if r != reader], tags[key])
+    return plan
+
+
+async def _read_fills(
+    fills: Mapping[int, _Fill],
+    sem: asyncio.Semaphore,
+    problems: list[Exception],
+    checksum: Checksum,
+    exchange: Coordinator | None,
+    rank: int,
+) -> None:
+    """Read every shard the fills need, verified, and copy the pieces out. With several
+    ranks (``exchange``), a stored shard several ranks need is read by one of them and sent
+    to the others, each copy checked against its crc32c on arrival; one that does not
+    arrive whole (a sender that failed, damage on the way) is read directly instead."""
+    needs = sorted((r, s, f.manifest.shards[s].length) for r, f in fills.items() for s in f.by_shard)
+    plan = _share_plan(await exchange.gather(0, needs)) if exchange is not None else {}
+    buffers: dict[tuple[int, int], torch.Tensor] = {}
+    received: dict[tuple[int, int], torch.Tensor] = {}  # the sender's status per shard
+    recv_works: list[Any] = []
+    for r, s, n in needs:
+        buffers[(r, s)] = torch.empty(n, dtype=torch.uint8)
+        entry = plan.get((r, s))
+        if entry is not None and entry[0] != rank:
+            assert exchange is not None
+            status = torch.zeros(1, dtype=torch.int32)
+            received[(r, s)] = status
+            recv_works.append(exchange.irecv(status, entry[0], 2 * entry[2]))
+            recv_works.append(exchange.irecv(buffers[(r, s)], entry[0], 2 * entry[2] + 1))
+    send_works: list[Any] = []
+
+    async def read(r: int, s: int) -> None:
+        fill = fills[r]
+        buffer = buffers[(r, s)]
         async with sem:
             await read_verified(
-                manifest, shard, tiers, byte_view(buffer), checksum=checksum, problems=problems
+                fill.manifest, fill.manifest.shards[s], fill.tiers, byte_view(buffer),
+                checksum=checksum, problems=problems,
             )
-        for piece, i, origin in by_shard[s]:
-            meta = manifest.tensors[i]
-            for seg in shard.segments:
-                if seg.tensor != i:
-                    continue
-                data = manifest.shard_part(seg, buffer)
-                if meta.mode == "flat":
-                    manifest.tensor_part(seg, scratch_of[(id(piece), i)]).copy_(data)
-                    continue
-                if meta.mode == "rows":  # the segment holds rows start:stop of the chunk
-                    row0 = origin[0][0] + seg.start
-                    held = ((row0, row0 + seg.stop - seg.start), *origin[1:])
-                else:
-                    held = origin
-                part = _intersect(held, piece.overlap)
-                if part is None:
-                    continue
-                target = piece.wanted
-                target.staging[_slices(part, target.region)].copy_(data[_slices(part, held)])
 
-    async with asyncio.TaskGroup() as tg:
-        for s in by_shard:
-            tg.create_task(one(s))
-    for piece, _, origin, scratch in flat:
-        target = piece.wanted
-        target.staging[_slices(piece.overlap, target.region)].copy_(
-            scratch[_slices(piece.overlap, origin)]
-        )
+    async def read_and_send(r: int, s: int) -> None:
+        entry = plan.get((r, s))
+        ok = True
+        try:
+            await read(r, s)
+        except Exception:
+            ok = False
+            raise
+        finally:
+            if entry is not None:  # the others wait for it either way: say how it went
+                assert exchange is not None
+                status = torch.tensor([1 if ok else 0], dtype=torch.int32)
+                for dst in entry[1]:
+                    send_works.append(exchange.isend(status, dst, 2 * entry[2]))
+                    send_works.append(exchange.isend(buffers[(r, s)], dst, 2 * entry[2] + 1))
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for r, s, _ in needs:
+                if (r, s) not in received:
+                    tg.create_task(read_and_send(r, s))
+    finally:
+        if exchange is not None:
+            arrivals = await exchange.wait(recv_works)
+            await exchange.wait(send_works)
+    if received:
+        assert exchange is not None
+        failed = {i // 2 for i, e in enumerate(arrivals) if e is not None}
+        fallback = []
+        for n, (key, status) in enumerate(received.items()):
+            shard = fills[key[0]].manifest.shards[key[1]]
+            good = n not in failed and int(status.item()) == 1
+            if good and await checksum(byte_view(buffers[key])) == shard.crc32c:
+                continue
+            fallback.append(key)
+        async with asyncio.TaskGroup() as tg:
+            for r, s in fallback:
+                tg.create_task(read(r, s))
+    for r, s, _ in needs:
+        _copy_shard(fills[r], s, buffers[(r, s)])
+    for fill in fills.values():
+        for piece, _, origin, scratch in fill.flat:
+            target = piece.wanted
+            target.staging[_slices(piece.overlap, target.region)].copy_(
+                scratch[_slices(piece.overlap, origin)]
+            )
 
 
 def _saved_box(manifest: Manifest, meta: TensorMeta, piece: _Piece) -> Box:

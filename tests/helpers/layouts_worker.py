@@ -200,7 +200,54 @@ async def dcp_round_trip(layout: str, root: Path, out: Path) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"train": train, "resume": resume, "reshard": reshard, "dcp": dcp_round_trip}
+def ddp_state(seed: int) -> dict[str, Any]:
+    """A data-parallel state: 16 MiB of weights identical on every rank, marked so."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(16)}
+    return {"model": lazyckpt.Replicated(weights), "rank": dist.get_rank()}
+
+
+def _read_bytes() -> int:
+    """Bytes this process read through read(2)/pread(2) so far (page cache or not)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+async def ddp_save(layout: str, root: Path, out: Path) -> dict[str, Any]:
+    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+        await (await ckpt.snapshot(ddp_state(1), step=1)).committed()
+    stored = sum(p.stat().st_size for p in (root / f"step-{1:012d}").glob("rank-*.data"))
+    return {"stored": stored}
+
+
+async def ddp_restore(layout: str, root: Path, out: Path) -> dict[str, Any]:
+    target = ddp_state(99)
+    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+        before = _read_bytes()
+        await ckpt.restore(1, into=target)
+        read = _read_bytes() - before
+        coordinator = ckpt._core.engine.coordinator
+        sent = coordinator.sent_bytes if coordinator is not None else 0
+    expected = ddp_state(1)["model"].value
+    got = target["model"].value
+    return {
+        "read": read,
+        "sent": sent,
+        "mismatch": [k for k in expected if not torch.equal(expected[k], got[k])],
+        "rank_value": target["rank"],
+    }
+
+
+SCENARIOS = {
+    "train": train,
+    "resume": resume,
+    "reshard": reshard,
+    "dcp": dcp_round_trip,
+    "ddp-save": ddp_save,
+    "ddp-restore": ddp_restore,
+}
 
 
 def main() -> None:
