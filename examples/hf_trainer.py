@@ -91,7 +91,7 @@ def main() -> int:
             train(root, tiny_llama(seed=0)[0], [cb])
             steps = cb.checkpointer.steps()
             print("lazyckpt steps:", steps)
-            for stats in cb.checkpointer.metrics()["snapshots"]:
+            for stats in cb.metrics()["snapshots"]:
                 print(f"step {stats['step']:2d}: {stats['bytes'] / 2**20:.1f} MiB, snapshot() "
                       f"{stats['snapshot_s'] * 1e3:.1f} ms, guard waited "
                       f"{stats['guard_s'] * 1e3:.1f} ms")

@@ -8,6 +8,8 @@
 - ``lifecycle``: how a Checkpointer ends: close, drain, the preemption signal's drain, the
   close of one dropped unclosed, the close at interpreter exit.
 - ``handle``: a snapshot's handle, its progress as awaitables per stage.
+- ``holders``: the Checkpointers of this process that are open, and where each was opened,
+  for the error a second writer of the same process gets on a location.
 
 Its options are ``lazyckpt._options``, one level down: the engine and capture read them too.
 

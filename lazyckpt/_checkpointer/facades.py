@@ -13,12 +13,14 @@ from .._capture.cuda import GuardMode
 from .._distributed.preemption import DrainReport
 from .._errors import (
     ConfigurationError,
+    LocationInUseError,
 )
 from .._options import CheckpointerOptions
 from .._restore.verify import VerifyReport
 from .._tiering.interface import Tier
 from .core import captures_done, make_core
 from .handle import SnapshotHandle
+from .holders import explain_in_use, forget, open_site, opened
 
 __all__ = ["Checkpointer", "SyncCheckpointer"]
 
@@ -63,13 +65,21 @@ class Checkpointer:
         with self._core._open_lock:
             if self._core.engine.opened:
                 return self
+        site = open_site()
         self._core.preemption.install()  # first: it refuses outside the main thread
         try:
             self._core.engine.loop.start()
             await self._call(self._core.open_on_engine())
+        except LocationInUseError as exc:
+            self._core.preemption.uninstall()
+            explained = explain_in_use(exc, self._core)
+            if explained is exc:
+                raise
+            raise explained from exc
         except BaseException:
             self._core.preemption.uninstall()
             raise
+        opened(self._core, site)
         self._core.watch_owner(self)  # dropped without aclose(): closed when collected
         return self
 
@@ -224,6 +234,7 @@ class Checkpointer:
             # shielded: a cancelled caller must not cut the drain short and tear a commit
             await asyncio.shield(self._call(self._core.close_on_engine()))
         finally:
+            forget(self._core)
             self._core.finish_close()
 
 
@@ -256,13 +267,21 @@ class SyncCheckpointer:
     def open(self) -> SyncCheckpointer:
         """See :meth:`Checkpointer.open`."""
         if not self._core.engine.opened:
+            site = open_site()
             self._core.preemption.install()  # first: it refuses outside the main thread
             try:
                 self._core.engine.loop.start()
                 self._call(self._core.open_on_engine)
+            except LocationInUseError as exc:
+                self._core.preemption.uninstall()
+                explained = explain_in_use(exc, self._core)
+                if explained is exc:
+                    raise
+                raise explained from exc
             except BaseException:
                 self._core.preemption.uninstall()
                 raise
+            opened(self._core, site)
             self._core.watch_owner(self)  # dropped without close(): closed when collected
         return self
 
@@ -332,4 +351,5 @@ class SyncCheckpointer:
             self._core.engine.loop.start()  # never opened: the tiers are closed all the same
             self._call(self._core.close_on_engine)
         finally:
+            forget(self._core)
             self._core.finish_close()

@@ -171,20 +171,37 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
         checkpointer: an open :class:`~lazyckpt.Checkpointer` or
             :class:`~lazyckpt.SyncCheckpointer`.
         step: the step to save; ``None`` takes it from ``checkpoint_id``.
+        overwrite: ``False``, as DCP's ``FileSystemWriter(overwrite=False)``: a save of a
+            step that exists (committed on a tier, or in flight) raises DCP's
+            ``RuntimeError("Checkpoint already exists and self.overwrite=False. ...")``
+            from :meth:`prepare_local_plan`, so that ``dcp.save`` raises, and
+            ``async_save``'s ``upload_completion`` fails, with a ``CheckpointException``
+            holding it; nothing is snapshotted. ``True`` (DCP's default): lazyckpt's own
+            rule, that steps only increase, refuses such a step with
+            :class:`~lazyckpt.ConfigurationError` (``dcp.save`` wraps it; ``async_save``
+            raises it at the call); lazyckpt never writes over a committed step (delete it
+            first with ``checkpointer.delete(step)``).
     """
 
     # The capture overlaps the next forward and backward passes; the staging future (or
     # the Checkpointer's optimizer guard) is the synchronization point.
     _synchronize_after_execute = False
 
-    def __init__(self, checkpointer: AnyCheckpointer, *, step: int | None = None) -> None:
+    def __init__(
+        self, checkpointer: AnyCheckpointer, *, step: int | None = None, overwrite: bool = True
+    ) -> None:
         self._core = _core_of(checkpointer)
         # the facade too: a Checkpointer its owner dropped open is closed when the facade is
         # collected, and a writer still using it is an owner
         self._checkpointer = checkpointer
         self._fixed_step = None if step is None else _step_of(step)
+        if not isinstance(overwrite, bool):
+            raise ConfigurationError(f"overwrite must be True or False, got {overwrite!r}")
+        self.overwrite = overwrite
         self._step: int | None = None  # this save's, from its checkpoint_id
         self._handle: SnapshotHandle | None = None
+        # the step stage() found already there (overwrite=False): prepare_local_plan raises
+        self._refused: int | None = None
 
     def __reduce__(self) -> Any:
         raise ConfigurationError(
@@ -214,9 +231,16 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
                     "checkpoint_id=step, ...) or build LazyStorageWriter(ckpt, step=step)"
                 )
             step = _step_of(found)
+        self._refused = None
+        staged: concurrent.futures.Future[StateDict] = concurrent.futures.Future()
+        if not self.overwrite and self._exists(step):
+            # as FileSystemWriter: the save fails in its planning, on DCP's side, and
+            # async_save's upload_completion carries the error; nothing to stage
+            self._refused = step
+            staged.set_result(state_dict)
+            return staged
         handle = self._core.snapshot(state_dict, step)
         self._handle = handle
-        staged: concurrent.futures.Future[StateDict] = concurrent.futures.Future()
         if handle.skipped:  # when_busy="skip": nothing to wait for; write_data reports it
             staged.set_result(state_dict)
             return staged
@@ -246,6 +270,8 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
             raise ConfigurationError(
                 f"checkpoint_id {checkpoint_id!r} differs from the step staged ({self._handle.step})"
             )
+        if self._refused != step:
+            self._refused = None  # left by a save that stopped before its planning
         self._step = step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -260,8 +286,35 @@ class LazyStorageWriter(StorageWriter, AsyncStager):
         return self._step if self._step is not None else self._fixed_step
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """The plan as DCP made it: lazyckpt lays out its own shards."""
+        """The plan as DCP made it: lazyckpt lays out its own shards. With
+        ``overwrite=False``, raises DCP's ``RuntimeError`` for a step that exists, where
+        ``FileSystemWriter`` raises it."""
+        if self.overwrite:
+            return plan
+        refused, self._refused = self._refused, None
+        step = refused
+        if step is None and self._handle is None:  # dcp.save: nothing staged, look now
+            step = self._save_step()
+            if step is not None and not self._exists(step):
+                step = None
+        if step is not None:
+            self._step = None  # a reused writer starts afresh
+            raise RuntimeError(
+                f"Checkpoint already exists and self.overwrite=False. (lazyckpt step {step} "
+                "is committed or in flight; delete it with checkpointer.delete(step) to save "
+                "it again, or save another step)"
+            )
         return plan
+
+    def _exists(self, step: int) -> bool:
+        """Whether ``step`` is committed on a tier (on every rank, when distributed: every
+        rank asks at the same point of the save) or in flight."""
+        core = self._core
+        core.check_open()
+        if core.engine.loop.in_loop_thread():
+            raise ConfigurationError("dcp.save cannot run on the Checkpointer's engine thread")
+        committed: list[int] = core.engine.loop.submit(core.steps_on_engine()).result()
+        return step in committed or step in core.engine.steps_in_flight()
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The plans as DCP made them."""

@@ -5,7 +5,7 @@
     cb = LazyCheckpointCallback(tiers=[HostMemoryTier(1 << 30), FileTier("/ckpt")])
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[cb])
     trainer.train(resume_from_checkpoint=cb.checkpoint_dir())  # None on the first run
-    cb.close()
+    cb.close()  # train() released the tiers at its end; this also covers one that raised
 
 What it does, and where in the Trainer's loop:
 
@@ -60,6 +60,7 @@ from .._checkpointer.facades import SyncCheckpointer
 from .._checkpointer.handle import SnapshotHandle
 from .._errors import ConfigurationError, LazyCkptError, SnapshotNotFoundError
 from .._tiering.interface import Tier
+from ._lifetime import Lifetime
 from ._rollback import abandoned_steps
 
 try:
@@ -129,9 +130,12 @@ class LazyCheckpointCallback(TrainerCallback):
         **options: :class:`lazyckpt.Checkpointer` options. ``distributed`` defaults to
             ``False``: the main process saves, as the Trainer does.
 
-    The tiers stay open until :meth:`close` (each snapshot is committed when ``train()``
-    returns). The model's parameters, the optimizer and scheduler are those the callback
-    receives; other stateful callbacks (``EarlyStoppingCallback``) keep the state the
+    Each ``train()`` opens the tiers and closes them at its end, once every snapshot is
+    committed: the location is then free for another Checkpointer of the process, and the
+    next use opens fresh copies of these tiers (taken before their first opening).
+
+    The model's parameters, the optimizer and scheduler are those the callback receives;
+    other stateful callbacks (``EarlyStoppingCallback``) keep the state the
     Trainer last recorded in ``TrainerState.stateful_callbacks``, since a callback cannot
     reach its peers.
     """
@@ -145,10 +149,9 @@ class LazyCheckpointCallback(TrainerCallback):
         **options: Any,
     ) -> None:
         options.setdefault("distributed", False)
-        self._ckpt = SyncCheckpointer(tiers, **options)
+        self._life = Lifetime(tiers, options)  # validates tiers and options now
         self.every_step = every_step
         self.keep_trainer_save = keep_trainer_save
-        self._opened = False
         self._closed = False
         self._due = False
         self._handles: list[SnapshotHandle] = []
@@ -161,26 +164,34 @@ class LazyCheckpointCallback(TrainerCallback):
 
     @property
     def checkpointer(self) -> SyncCheckpointer:
-        """The underlying :class:`~lazyckpt.SyncCheckpointer`, opened on first use."""
+        """The underlying :class:`~lazyckpt.SyncCheckpointer`, opened on first use.
+
+        The end of each ``train()`` (:meth:`on_train_end`) closes it, and the next use
+        opens a new one, on fresh copies of the tiers: hold on to this object only until
+        then."""
         if self._closed:
             raise ConfigurationError("this LazyCheckpointCallback is closed; create a new one")
-        if not self._opened:
-            self._ckpt.open()
-            self._opened = True
-        return self._ckpt
+        return self._life.open()
+
+    def metrics(self) -> dict[str, Any]:
+        """:meth:`~lazyckpt.SyncCheckpointer.metrics` of the Checkpointer open now or,
+        between runs, of the one the last run closed (its snapshots, their timings, the
+        failures): ``checkpointer.metrics()`` after a run would open a new one."""
+        return self._life.metrics()
 
     def close(self) -> None:
-        """Wait for every snapshot, close the tiers, remove resume folders. Idempotent."""
+        """Wait for every snapshot, close the tiers, remove resume folders. Idempotent;
+        after it, the callback cannot be used again (each ``train()`` already releases the
+        tiers at its end)."""
         if self._closed:
             return
         self._drain()
         self._remove_resume_dirs()
         self._closed = True
-        if self._opened:
-            try:
-                self._ckpt.close()
-            except LazyCkptError:
-                log.exception("lazyckpt: a checkpoint failed while closing")
+        try:
+            self._life.close()
+        except LazyCkptError:
+            log.exception("lazyckpt: a checkpoint failed while closing")
 
     def __enter__(self) -> LazyCheckpointCallback:
         return self
@@ -308,18 +319,21 @@ class LazyCheckpointCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         """After backward, before the update: wait for pending captures."""
-        if not self._opened or self._closed:
+        ckpt = None if self._closed else self._life.current
+        if ckpt is None:
             return
         try:
-            self._ckpt.wait_captured()
+            ckpt.wait_captured()
         except LazyCkptError:
             log.exception("lazyckpt: a checkpoint failed; training continues")
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        """Snapshot a save due from the last step, then wait until every snapshot is
-        committed (so ``train()`` returns with its checkpoints durable)."""
+        """Snapshot a save due from the last step, wait until every snapshot is committed
+        (so ``train()`` returns with its checkpoints durable), then close the tiers, so that
+        the location is free for another Checkpointer of the process (a new callback in a
+        notebook's next cell). The next use of this callback opens them again."""
         self._snapshot_if_due(state, control, kw)
         if self._guard is not None:
             self._guard.remove()
@@ -327,6 +341,12 @@ class LazyCheckpointCallback(TrainerCallback):
         self._drain()
         self._remove_resume_dirs()
         self._resumed = None
+        if self._closed:
+            return
+        try:
+            self._life.release()
+        except LazyCkptError:
+            log.exception("lazyckpt: a checkpoint failed while closing the tiers")
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -347,12 +367,12 @@ class LazyCheckpointCallback(TrainerCallback):
 
     def _snapshot(self, state: TrainerState, control: TrainerControl, kw: dict[str, Any]) -> None:
         step = state.global_step
-        ckpt = self.checkpointer
         if step in self._written:
             # the same step's save decided twice (at a step's and at the epoch's end): this
             # run saved this very state already
             log.debug("lazyckpt: step %d already saved by this run", step)
             return
+        ckpt = self.checkpointer
         stored = ckpt.steps()
         if step == self._resumed and step in stored:
             log.debug("lazyckpt: step %d is the step this run resumed from", step)

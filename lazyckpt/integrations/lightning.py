@@ -33,6 +33,9 @@ How Lightning's calls map onto lazyckpt:
 - As a callback, ``on_before_optimizer_step`` (after backward, before the update) waits for
   pending captures, so the copy overlaps the next forward and backward passes. Without the
   callback the plugin still saves correctly, but each save waits for its capture.
+- ``teardown()`` (the end of ``fit``/``validate``/``test``) waits until every save is
+  durable and its pointer written, then closes the tiers: the location is free for another
+  Checkpointer of the process. The next use opens fresh copies of the tiers.
 
 A failed save never stops training: it is logged (logger ``lazyckpt.integrations.lightning``,
 level ERROR) and the path is not written.
@@ -58,6 +61,7 @@ from .._checkpointer.handle import SnapshotHandle
 from .._errors import ConfigurationError, LazyCkptError, SnapshotNotFoundError
 from .._tiering.interface import Tier
 from .._tiering.states import TierLevel
+from ._lifetime import Lifetime
 from ._rollback import abandoned_steps
 
 __all__ = ["LazyCheckpointIO"]
@@ -223,9 +227,11 @@ class LazyCheckpointIO(_Bases):
 
     Args:
         tiers: the lazyckpt tier chain, fastest first (see :class:`lazyckpt.Checkpointer`).
-            The tiers stay open across ``fit``/``validate``/``test`` until :meth:`close`
-            (every save is durable after each stage's teardown, so an unclosed object only
-            holds memory).
+            Each ``fit``/``validate``/``test`` opens them at its first use and closes them
+            at its end (Lightning's teardown), once every save is durable: the location is
+            then free for another Checkpointer of the process, and the next run opens fresh
+            copies of these tiers (taken before their first opening). Closing the object
+            is needed only after a save outside a run.
         **options: :class:`lazyckpt.Checkpointer` options. ``distributed`` defaults to
             ``False``: Lightning saves on global rank 0 only.
     """
@@ -233,9 +239,8 @@ class LazyCheckpointIO(_Bases):
     def __init__(self, tiers: Sequence[Tier], **options: Any) -> None:
         super().__init__()
         options.setdefault("distributed", False)
-        self._ckpt = SyncCheckpointer(tiers, **options)  # validates tiers and options now
-        self._tiers = list(tiers)
-        self._opened = False
+        self._life = Lifetime(tiers, options)  # validates tiers and options now
+        self._tiers = self._life.tiers
         self._closed = False
         self._lock = threading.Lock()
         self._paths: dict[str, int] = {}  # path -> step, for paths saved or read by this object
@@ -254,13 +259,20 @@ class LazyCheckpointIO(_Bases):
 
     @property
     def checkpointer(self) -> SyncCheckpointer:
-        """The underlying :class:`~lazyckpt.SyncCheckpointer`, opened on first use."""
+        """The underlying :class:`~lazyckpt.SyncCheckpointer`, opened on first use.
+
+        Each ``fit``/``validate``/``test`` closes it at its end (:meth:`teardown`), and the
+        next use opens a new one, on fresh copies of the tiers: hold on to this object
+        only within a run."""
         if self._closed:
             raise ConfigurationError("this LazyCheckpointIO is closed; create a new one")
-        if not self._opened:
-            self._ckpt.open()
-            self._opened = True
-        return self._ckpt
+        return self._life.open()
+
+    def metrics(self) -> dict[str, Any]:
+        """:meth:`~lazyckpt.SyncCheckpointer.metrics` of the Checkpointer open now or,
+        between runs, of the one the last run closed (its snapshots, their timings, the
+        failures): ``checkpointer.metrics()`` after a run would open a new one."""
+        return self._life.metrics()
 
     def __enter__(self) -> LazyCheckpointIO:
         return self
@@ -269,18 +281,19 @@ class LazyCheckpointIO(_Bases):
         self.close()
 
     def close(self) -> None:
-        """Wait for every save, write its pointer, and close the tiers. Idempotent."""
+        """Wait for every save, write its pointer, and close the tiers. Idempotent; after
+        it, the object cannot be used again (each ``fit`` already releases the tiers at its
+        end, so closing is needed only after a save outside ``fit``)."""
         if self._closed:
             return
         self._drain()
         self._closed = True
         if self._writer is not None:
             self._writer.shutdown(wait=True)
-        if self._opened:
-            try:
-                self._ckpt.close()
-            except LazyCkptError:
-                log.exception("lazyckpt: a checkpoint failed while closing")
+        try:
+            self._life.close()
+        except LazyCkptError:
+            log.exception("lazyckpt: a checkpoint failed while closing")
 
     # -- CheckpointIO ----------------------------------------------------------------------
 
@@ -550,14 +563,21 @@ class LazyCheckpointIO(_Bases):
     def teardown(self, *_args: Any, **_kwargs: Any) -> None:
         """End of ``fit``/``validate``/``test`` (called as the plugin's ``teardown()`` and
         as the callback's ``teardown(trainer, pl_module, stage)``): wait for every pending
-        save and its pointer. The tiers stay open for the next stage; :meth:`close` closes
-        them."""
+        save and its pointer, then close the tiers, so that the location is free for
+        another Checkpointer (a new ``LazyCheckpointIO`` in the next cell of a notebook).
+        The next use of this object opens them again (:attr:`checkpointer`)."""
         self._drain()
         if not self._guarded:
             # no on_train_start tells a plugin alone where a run begins: the next save may
             # be a new run's, so the steps in the store are no longer this run's own
             with self._lock:
                 self._written = set()
+        if self._closed:
+            return
+        try:
+            self._life.release()
+        except LazyCkptError:
+            log.exception("lazyckpt: a checkpoint failed while closing the tiers")
 
     def _drain(self) -> None:
         while True:
@@ -632,9 +652,10 @@ class LazyCheckpointIO(_Bases):
         self._training = True
         with self._lock:
             self._written = set()  # a new run: the steps in the store are not its own yet
-        if self._opened and not self._closed:
+        ckpt = None if self._closed else self._life.current
+        if ckpt is not None:
             for opt in trainer.optimizers:
-                self._guards.append(self._ckpt.guard(opt))
+                self._guards.append(ckpt.guard(opt))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Saves after training (``trainer.save_checkpoint`` by hand) wait for their capture."""
@@ -650,10 +671,11 @@ class LazyCheckpointIO(_Bases):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """After backward, before the update: wait for pending captures of the parameters
         and optimizer state, which the update is about to change."""
-        if not self._opened or self._closed:
+        ckpt = None if self._closed else self._life.current
+        if ckpt is None:
             return
         try:
-            self._ckpt.wait_captured()
+            ckpt.wait_captured()
         except LazyCkptError:
             log.exception("lazyckpt: a checkpoint failed; training continues")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load
@@ -361,3 +362,55 @@ def test_one_writer_and_one_reader_serve_many_saves_and_loads(ckpt: SyncCheckpoi
     assert torch.equal(state["w"], torch.full((4,), 1.0))
     load(state, storage_reader=reader)  # no id this time: the latest, not the last one asked
     assert torch.equal(state["w"], torch.full((4,), 3.0))
+
+
+def test_overwrite_false_refuses_a_step_that_exists_as_dcp_does(
+    ckpt: SyncCheckpointer, tmp_path: Path
+) -> None:
+    # DCP's own writer: the second save into the same checkpoint fails in its planning
+    theirs = tmp_path / "dcp"
+    save({"w": torch.ones(4)}, storage_writer=FileSystemWriter(theirs, overwrite=False))
+    with pytest.raises(CheckpointException) as refused_by_dcp:
+        save({"w": torch.ones(4)}, storage_writer=FileSystemWriter(theirs, overwrite=False))
+    dcp_error = cause_of(refused_by_dcp.value)
+
+    writer = LazyStorageWriter(ckpt, overwrite=False)  # one writer for every save below
+    save({"w": torch.ones(4)}, checkpoint_id="1", storage_writer=writer)  # a new step: saved
+    with pytest.raises(CheckpointException) as refused:
+        save({"w": torch.zeros(4)}, checkpoint_id="1", storage_writer=writer)
+    error = cause_of(refused.value)
+    assert type(error) is type(dcp_error) is RuntimeError
+    assert str(error).startswith(str(dcp_error))  # "Checkpoint already exists and ..."
+    assert "lazyckpt step 1" in str(error)
+
+    # async_save: returns, stages nothing, and its upload fails the same way
+    response = async_save({"w": torch.zeros(4)}, checkpoint_id="1", storage_writer=writer)
+    assert isinstance(response, AsyncSaveResponse)
+    response.staging_completion.result(timeout=30)
+    with pytest.raises(CheckpointException) as failed:
+        response.upload_completion.result(timeout=30)
+    assert type(cause_of(failed.value)) is RuntimeError
+    assert [s["step"] for s in ckpt.metrics()["snapshots"]] == [1]  # no snapshot was taken
+    state = {"w": torch.full((4,), 7.0)}
+    load(state, checkpoint_id="1", storage_reader=LazyStorageReader(ckpt))
+    assert torch.equal(state["w"], torch.ones(4))  # the first save's, untouched
+
+    # a step still in flight exists too
+    gate, put_back = hold_captures(ckpt)
+    try:
+        pending = async_save({"w": torch.full((4,), 2.0)}, checkpoint_id="2", storage_writer=writer)
+        assert isinstance(pending, AsyncSaveResponse)
+        with pytest.raises(CheckpointException, match="already exists"):
+            save({"w": torch.zeros(4)}, checkpoint_id="2", storage_writer=LazyStorageWriter(ckpt, overwrite=False))
+    finally:
+        gate.set()
+        put_back()
+    pending.upload_completion.result(timeout=30)
+    save({"w": torch.full((4,), 3.0)}, checkpoint_id="3", storage_writer=writer)
+    assert ckpt.steps() == [1, 2, 3]
+
+    # the default refuses a step that exists with lazyckpt's own error (steps increase)
+    with pytest.raises(CheckpointException, match="not newer than the newest snapshot"):
+        save({"w": torch.zeros(4)}, checkpoint_id="3", storage_writer=LazyStorageWriter(ckpt))
+    with pytest.raises(ConfigurationError, match="overwrite must be True or False"):
+        LazyStorageWriter(ckpt, overwrite="no")  # type: ignore[arg-type]

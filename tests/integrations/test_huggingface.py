@@ -230,7 +230,7 @@ def test_resume_from_an_earlier_step_replaces_the_abandoned_steps(
             tmp_path / "again", again, [cb, recorder], resume=cb.checkpoint_dir(4),
             data_seed=8, learning_rate=3e-3,
         )
-        assert cb.checkpointer.metrics()["snapshots_failed"] == 0
+        assert cb.metrics()["snapshots_failed"] == 0
     new = stored_models(tmp_path)
     assert sorted(new) == [2, 4, 6, 8, 10, 12]
     for step in (2, 4):  # the history both runs share is kept
@@ -286,13 +286,57 @@ def test_the_same_step_saved_twice_in_a_run_is_saved_once(
         LazyCheckpointCallback(chain(tmp_path)) as cb,
     ):
         t = train(tmp_path, model(), [cb], num_train_epochs=1)
-        taken = len(cb.checkpointer.metrics()["snapshots"])
+        taken = len(cb.metrics()["snapshots"])  # the run's, closed at its end
+        assert taken == 2
         cb._due = True  # the step's save decided again (a step's and the epoch's end)
         cb.on_train_end(
             t.args, t.state, t.control,
             model=t.model, optimizer=t.optimizer, lr_scheduler=t.lr_scheduler,
         )
-        assert len(cb.checkpointer.metrics()["snapshots"]) == taken
+        assert len(cb.metrics()["snapshots"]) == taken
         assert cb.checkpointer.steps() == [2, 4]
     assert "already saved by this run" in caplog.text
     assert "another run" not in caplog.text and "NOT saved" not in caplog.text
+
+
+def test_train_releases_the_location_and_a_second_train_reopens_it(tmp_path: Path) -> None:
+    # a notebook: train, look at the steps, train again with a fresh callback and with the
+    # first one, none of them closed in between
+    cb = LazyCheckpointCallback(chain(tmp_path))
+    train(tmp_path, model(), [cb], num_train_epochs=1)
+    assert [s["step"] for s in cb.metrics()["snapshots"]] == [2, 4]  # the closed run's
+    with SyncCheckpointer([FileTier(tmp_path / "store")]) as look:  # a writer's open: free
+        assert look.steps() == [2, 4]
+        assert look.restore(4)["format"] == "lazyckpt.huggingface/1"
+    fresh = LazyCheckpointCallback(chain(tmp_path))
+    train(tmp_path, model(), [fresh], num_train_epochs=2, resume=fresh.checkpoint_dir())
+    again = model()
+    train(tmp_path, again, [cb], num_train_epochs=3, resume=cb.checkpoint_dir())
+    assert len(again.losses) == 4  # resumed at step 8: one epoch to go
+    with SyncCheckpointer([FileTier(tmp_path / "store")]) as look:
+        assert look.steps() == [2, 4, 6, 8, 10, 12]
+    cb.close()
+    fresh.close()
+
+
+def test_a_second_writer_in_the_process_is_told_where_the_first_was_opened(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cb = LazyCheckpointCallback(chain(tmp_path))
+    train(tmp_path, model(), [cb], num_train_epochs=1)
+    assert cb.checkpointer.steps() == [2, 4]  # opened again outside train(): held till close()
+    line = sys._getframe().f_lineno - 1
+    with SyncCheckpointer([FileTier(tmp_path / "store", readonly=True)]) as look:
+        assert look.steps() == [2, 4]  # reading beside it takes no lock
+    other = LazyCheckpointCallback(chain(tmp_path))
+    with caplog.at_level(logging.ERROR, logger="lazyckpt.integrations.huggingface"):
+        train(tmp_path, model(), [other], num_train_epochs=1)  # runs on, unsaved, as before
+    assert "could not open the tiers" in caplog.text
+    assert "already opened by this process" in caplog.text
+    assert f"by a LazyCheckpointCallback, at {__file__}:{line} in " in caplog.text
+    cb.close()
+    caplog.clear()
+    train(tmp_path, model(), [other], num_train_epochs=2, resume=other.checkpoint_dir())
+    assert "could not open" not in caplog.text
+    assert other.checkpointer.steps() == [2, 4, 6, 8]
+    other.close()

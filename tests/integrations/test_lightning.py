@@ -18,7 +18,7 @@ pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not instal
 
 import pytorch_lightning as pl
 
-from lazyckpt import ConfigurationError, SyncCheckpointer
+from lazyckpt import ConfigurationError, LocationInUseError, SyncCheckpointer
 from lazyckpt.integrations.lightning import LazyCheckpointIO, read_pointer
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
@@ -318,7 +318,7 @@ def test_resume_from_an_earlier_step_replaces_the_abandoned_steps(
     ):
         t = trainer(tmp_path, epochs=4, plugins=[io], callbacks=[io, every_epoch(tmp_path), recorder])
         t.fit(again, ckpt_path=str(ckpts / "epoch=1-step=8.ckpt"))
-        assert io.checkpointer.metrics()["snapshots_failed"] == 0
+        assert io.metrics()["snapshots_failed"] == 0
     # Lightning names a top-k file whose name is taken '-v1' (epoch=2-step=12.ckpt still
     # existed when it chose); the old file named a step of the abandoned run and is gone
     assert {n: read_pointer(str(ckpts / n)) for n in os.listdir(ckpts)} == {
@@ -397,3 +397,59 @@ def test_a_step_going_back_within_a_run_is_refused_and_logged(
         assert io.checkpointer.steps() == [5]  # this run's own step 5 is not replaced
     assert "comes after step 5, which this run already saved" in caplog.text
     assert read_pointer(str(tmp_path / "a.ckpt")) == 5 and not (tmp_path / "b.ckpt").exists()
+
+
+def test_fit_releases_the_location_and_a_second_fit_reopens_it(tmp_path: Path) -> None:
+    # a notebook: fit, then look at the steps and fit again, with a fresh object and with
+    # the first one, none of them closed in between
+    io = LazyCheckpointIO(chain(tmp_path))
+    trainer(tmp_path, epochs=1, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(Tiny())
+    with SyncCheckpointer([FileTier(tmp_path / "store")]) as look:  # a writer's open: free
+        assert look.steps() == [BATCHES]
+        assert look.restore(BATCHES)["global_step"] == BATCHES
+    fresh = LazyCheckpointIO(chain(tmp_path))
+    trainer(tmp_path, epochs=2, plugins=[fresh], callbacks=[fresh, every_epoch(tmp_path)]).fit(
+        Tiny(), ckpt_path="last"
+    )
+    model = Tiny()
+    trainer(tmp_path, epochs=3, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(
+        model, ckpt_path="last"
+    )
+    assert len(model.losses) == BATCHES  # resumed after epoch 2: one epoch to go
+    with SyncCheckpointer([FileTier(tmp_path / "store")]) as look:
+        assert look.steps() == [BATCHES, 2 * BATCHES, 3 * BATCHES]
+    io.close()
+    fresh.close()
+
+
+def test_a_second_writer_in_the_process_is_told_where_the_first_was_opened(
+    tmp_path: Path,
+) -> None:
+    io = LazyCheckpointIO(chain(tmp_path))
+    trainer(tmp_path, epochs=1, plugins=[io], callbacks=[io, every_epoch(tmp_path)]).fit(Tiny())
+    held = io.checkpointer  # opened again, outside fit: it holds the location until close()
+    line = sys._getframe().f_lineno - 1
+    assert held.steps() == [BATCHES]
+    # reading beside it takes no lock
+    with SyncCheckpointer([FileTier(tmp_path / "store", readonly=True)]) as look:
+        assert look.steps() == [BATCHES]
+        assert look.restore(BATCHES)["global_step"] == BATCHES
+    other = LazyCheckpointIO(chain(tmp_path))
+    with pytest.raises(LocationInUseError) as caught:
+        trainer(tmp_path, epochs=2, plugins=[other], callbacks=[other]).fit(Tiny())
+    message = str(caught.value)
+    assert "already opened by this process" in message
+    assert f"by a LazyCheckpointIO, at {__file__}:{line} in " in message
+    assert "close()" in message and "readonly=True" in message
+    assert caught.value.holder is not None and caught.value.holder["pid"] == os.getpid()
+    assert isinstance(caught.value.__cause__, LocationInUseError)  # the tier's own error
+    io.close()
+    # the holder closed: the same object opens now, on a clean start
+    model = Tiny()
+    trainer(tmp_path, epochs=2, plugins=[other], callbacks=[other, every_epoch(tmp_path)]).fit(
+        model, ckpt_path=str(tmp_path / "ckpts" / "last.ckpt")
+    )
+    assert len(model.losses) == BATCHES
+    with SyncCheckpointer([FileTier(tmp_path / "store")]) as look:
+        assert look.steps() == [BATCHES, 2 * BATCHES]
+    other.close()
