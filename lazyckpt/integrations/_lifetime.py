@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._checkpointer.facades import SyncCheckpointer
+from .._errors import LazyCkptError
 from .._tiering.interface import Tier
 
 __all__ = ["Lifetime", "copy_tiers"]
@@ -184,6 +185,14 @@ class Lifetime:
                 return
             ckpt, self._ckpt, self._opened = self._ckpt, None, False
             ckpt.close()
+
+    def release_at_run_end(self) -> None:
+        """:meth:`release` when a framework's run ends: a failure nobody had seen is
+        logged, not raised into the framework's teardown."""
+        try:
+            self.release()
+        except LazyCkptError:
+            log.exception("lazyckpt: a checkpoint failed while closing the tiers")
 
     def close(self) -> None:
         """Close the Checkpointer for good. Raises what its ``close()`` raises."""

@@ -343,10 +343,7 @@ class LazyCheckpointCallback(TrainerCallback):
         self._resumed = None
         if self._closed:
             return
-        try:
-            self._life.release()
-        except LazyCkptError:
-            log.exception("lazyckpt: a checkpoint failed while closing the tiers")
+        self._life.release_at_run_end()
 
     # -- snapshots -------------------------------------------------------------------------
 

@@ -574,10 +574,7 @@ class LazyCheckpointIO(_Bases):
                 self._written = set()
         if self._closed:
             return
-        try:
-            self._life.release()
-        except LazyCkptError:
-            log.exception("lazyckpt: a checkpoint failed while closing the tiers")
+        self._life.release_at_run_end()
 
     def _drain(self) -> None:
         while True:
