@@ -116,3 +116,20 @@ def test_a_data_parallel_restore_reads_each_stored_byte_about_once(tmp_path: Pat
     assert sum(r["sent"] for r in res.values()) > 0
     # manifests, metadata and the interpreter's own reads ride on top of the shards
     assert read <= 1.3 * stored, (read / stored, read, stored)
+
+
+@pytest.mark.parametrize("trained", ["hsdp"], indirect=True)
+def test_a_layout_that_cannot_be_mapped_is_refused_before_anything_loads(
+    trained: tuple[str, Path, dict[int, Any]],
+) -> None:
+    _, root, _ = trained
+    with lazyckpt.SyncCheckpointer([FileTier(root)]) as ckpt:
+        full = ckpt.restore(3)
+        target = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in full.items()}
+        target["model"] = {k: torch.zeros_like(v) for k, v in full["model"].items()}
+        key = "layers.0.w1.weight"
+        target["model"][key] = torch.zeros(7, 3)
+        with pytest.raises(lazyckpt.StateMismatchError, match=r"global shape \[32, 16\]") as info:
+            ckpt.restore(3, into=target)
+    assert info.value.key == f"model/{key}"
+    assert all(not v.any() for k, v in target["model"].items() if k != key)  # nothing loaded

@@ -45,6 +45,7 @@ from .._errors import (
     ConfigurationError,
     CorruptionError,
     SnapshotNotFoundError,
+    StateMismatchError,
     TierError,
     UnsupportedStateError,
     first_error,
@@ -260,9 +261,21 @@ def _region_for(
             return full
         if base.world_size == world_size and base.rank == rank and shape == meta.shape:
             return _box(meta.global_offset, shape)
-        raise ConfigurationError(
-            f"into[{meta.key!r}] is {list(shape)}, but the checkpoint holds a tensor of "
-            f"global shape {list(meta.global_shape)} (this rank's chunk: {list(meta.shape)})"
+        if ref.dist is not None:
+            target = (
+                f"a DTensor of global shape {list(ref.dist.global_shape)} placed "
+                f"{list(ref.dist.placements)}, this rank's chunk {list(shape)}"
+            )
+        else:
+            target = f"a tensor of shape {list(shape)}"
+        raise StateMismatchError(
+            f"into[{meta.key!r}] is {target}, but the checkpoint holds a tensor of global "
+            f"shape {list(meta.global_shape)} saved placed {list(meta.placements or ())} "
+            f"(rank {base.rank}'s chunk: {list(meta.shape)}): the saved layout cannot be "
+            "mapped onto it; nothing was loaded",
+            key=meta.key,
+            missing=[],
+            unexpected=[],
         )
     if base.world_size == world_size and base.rank == rank:
         return _box(meta.global_offset, meta.shape)
