@@ -62,13 +62,22 @@ def _saved_full(saved: dict[int, Any], layout: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("trained", ["hsdp", "fsdp_tp"], indirect=True)
+@pytest.mark.parametrize(
+    ("trained", "target", "world"),
+    [
+        ("hsdp", "fsdp", 4),
+        ("hsdp", "fsdp", 2),
+        ("fsdp_tp", "fsdp", 4),
+        ("fsdp_tp", "tp", 4),
+    ],
+    indirect=["trained"],
+)
 def test_another_layout_restores_every_tensor_bit_for_bit(
-    trained: tuple[str, Path, dict[int, Any]], tmp_path: Path
+    trained: tuple[str, Path, dict[int, Any]], target: str, world: int, tmp_path: Path
 ) -> None:
     layout, root, saved = trained
     expected = _saved_full(saved, layout)
-    got = launch("reshard", "fsdp", root, tmp_path / "reshard")
+    got = launch("reshard", target, root, tmp_path / "reshard", world)
     for rank, r in got.items():
         for k, v in r["restored"].items():
             assert torch.equal(torch.tensor(v), expected[k]), (rank, k)
@@ -133,3 +142,13 @@ def test_a_layout_that_cannot_be_mapped_is_refused_before_anything_loads(
             ckpt.restore(3, into=target)
     assert info.value.key == f"model/{key}"
     assert all(not v.any() for k, v in target["model"].items() if k != key)  # nothing loaded
+
+
+def test_tensor_parallel_on_2_ranks_restores_on_4(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    saved = launch("train", "tp", root, tmp_path / "train", 2)
+    expected = _saved_full(saved, "tp")
+    got = launch("reshard", "tp", root, tmp_path / "reshard", 4)
+    for rank, r in got.items():
+        for k, v in r["restored"].items():
+            assert torch.equal(torch.tensor(v), expected[k]), (rank, k)

@@ -9,7 +9,8 @@ Layouts of a two-block MLP trained with AdamW:
   ``fully_shard`` on ``dp`` (FSDP2 over tensor parallelism: strided shards);
 - ``pp``: two pipeline stages, each ``fully_shard`` over its own pair of ranks, each
   rank holding only its stage's block (the full model's names kept);
-- ``fsdp``: ``fully_shard`` over every rank (a 1-D mesh), the target of other layouts.
+- ``fsdp``: ``fully_shard`` over every rank (a 1-D mesh), the target of other layouts;
+- ``tp``: ``parallelize_module`` (colwise, rowwise) over every rank.
 
 Scenarios: ``train`` snapshots every step with the guard on and records the losses of the
 steps after the snapshot it resumes from; ``resume`` restores that snapshot into a model and
@@ -84,6 +85,11 @@ def build(layout: str, seed: int) -> tuple[torch.nn.Module, dict[str, Any], Any]
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, extra, dist.get_rank()
+    if layout == "tp":  # tensor parallelism over every rank
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        return model, extra, 0  # every rank sees the same batch
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     if layout == "hsdp":
         for block in model.layers.values():
