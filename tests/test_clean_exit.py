@@ -110,7 +110,7 @@ def test_the_gloo_groups_are_destroyed_on_close(tmp_path: Path) -> None:
     done = run(code, tmp_path)
     assert done.returncode == 0, done.stderr
     before, during, after = map(int, done.stdout.split())
-    assert during == before + 2  # a control group and one per durable tier
+    assert during == before + 3  # a control group, one per durable tier, one for shard transfers
     assert after == before
 
 

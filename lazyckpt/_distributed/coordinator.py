@@ -62,8 +62,9 @@ def distributed_context(requested: bool | None) -> tuple[int, int] | None:
 
 
 class Coordinator:
-    """The collectives of one Checkpointer: one gloo group per durable tier, plus a control
-    group for ``steps()``/``restore()`` agreement. Must be created on every rank, in the
+    """The collectives of one Checkpointer: one gloo group per durable tier, a control
+    group for ``steps()``/``restore()`` agreement, and one for the shards a restore sends
+    between ranks. Must be created on every rank, in the
     same order relative to other ``new_group`` calls (it is, inside ``Checkpointer.open``)."""
 
     def __init__(self, rank: int, world_size: int, stages: int, timeout: float) -> None:
