@@ -1,5 +1,6 @@
-"""``lazyckpt export``: stream a snapshot into a safetensors file or a ``torch.save`` file,
-shard by shard, without holding the whole state in memory.
+"""``lazyckpt export``: stream a snapshot into a safetensors file, a directory of sharded
+safetensors files with their index (the layout ``transformers`` saves and loads), or a
+``torch.save`` file, shard by shard, without holding the whole state in memory.
 
 A step written by several ranks is exported as one process restores it: each distributed
 tensor whole, at its global shape, assembled in memory from every rank's part."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,6 +17,7 @@ import re
 import struct
 import zipfile
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +32,16 @@ from .._format.values import StatefulValue, decode_tree
 from .._format.walk import walk_state
 from .._restore.reshard import restore_resharded
 from ._console import Console
-from ._formats import SAFETENSORS_DTYPES, format_of
+from ._formats import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HF_INDEX,
+    HF_SHARD,
+    SAFETENSORS_DTYPES,
+    format_of,
+    index_document,
+    plan_shards,
+    shard_file_names,
+)
 from ._location import (
     Location,
     opened,
@@ -46,10 +58,44 @@ from ._status import (
 
 @dataclass
 class _Placement:
-    """Where one stored tensor's bytes go in the output file (every copy of them)."""
+    """Where one stored tensor's bytes go: (output file, offset) for every copy of them."""
 
-    offsets: list[int]
+    targets: list[tuple[int, int]]
     crc: int = 0
+
+
+class _Outputs:
+    """The files an export writes into, by number, opened as writes need them: a few stay
+    open at a time, however many shard files there are."""
+
+    KEEP_OPEN = 32
+
+    def __init__(self, paths: Sequence[Path]) -> None:
+        self.paths = list(paths)
+        self._fds: OrderedDict[int, int] = OrderedDict()
+
+    def _fd(self, file: int) -> int:
+        fd = self._fds.get(file)
+        if fd is not None:
+            self._fds.move_to_end(file)
+            return fd
+        if len(self._fds) >= self.KEEP_OPEN:
+            os.close(self._fds.popitem(last=False)[1])
+        fd = os.open(self.paths[file], os.O_WRONLY)
+        self._fds[file] = fd
+        return fd
+
+    def write(self, pieces: list[tuple[int, int, memoryview]]) -> None:
+        """Write each ``(file, offset, data)`` piece."""
+        for file, offset, data in pieces:
+            fd = self._fd(file)
+            while data:
+                written = os.pwrite(fd, data, offset)
+                data, offset = data[written:], offset + written
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
 
 
 def _selected(manifest: Manifest, select: str | None) -> dict[int, str]:
@@ -119,13 +165,6 @@ def _stream_position(manifest: Manifest, index: int) -> tuple[int, int]:
     return (meta.shards[0] if meta.shards else -1, meta.offset)
 
 
-def _write_pieces(fd: int, pieces: list[tuple[int, memoryview]]) -> None:
-    for offset, data in pieces:
-        while data:
-            written = os.pwrite(fd, data, offset)
-            data, offset = data[written:], offset + written
-
-
 def _update_crcs(placements: dict[int, _Placement], pieces: list[tuple[int, memoryview]]) -> None:
     for index, data in pieces:
         placement = placements[index]
@@ -133,7 +172,7 @@ def _update_crcs(placements: dict[int, _Placement], pieces: list[tuple[int, memo
 
 
 async def _stream_into(
-    fd: int,
+    out: _Outputs,
     loc: Location,
     manifest: Manifest,
     placements: dict[int, _Placement],
@@ -154,7 +193,7 @@ async def _stream_into(
                         f"{loc}: step {manifest.step}, shard {read.shard.index} ({keys}): "
                         f"{read.error}"
                     )
-                writes: list[tuple[int, memoryview]] = []
+                writes: list[tuple[int, int, memoryview]] = []
                 crc_pieces: list[tuple[int, memoryview]] = []
                 for seg in read.shard.segments:
                     placement = placements.get(seg.tensor)
@@ -162,23 +201,41 @@ async def _stream_into(
                         continue
                     start, nbytes = manifest.segment_span(seg)
                     piece = read.data[seg.offset : seg.offset + nbytes]
-                    writes.extend((offset + start, piece) for offset in placement.offsets)
+                    writes.extend(
+                        (file, offset + start, piece) for file, offset in placement.targets
+                    )
                     crc_pieces.append((seg.tensor, piece))
-                await asyncio.to_thread(_write_pieces, fd, writes)
+                await asyncio.to_thread(out.write, writes)
                 if track_crc:
                     # Shards come in manifest order, so a tensor's pieces arrive in order.
                     await asyncio.to_thread(_update_crcs, placements, crc_pieces)
                 bar.advance(read.shard.length)
 
 
+def _file_order(manifest: Manifest, names: dict[int, str]) -> list[int]:
+    """The tensors to export (manifest indexes) in the order their bytes are stored, so that
+    the output files fill front to back as the shards are read."""
+    return sorted(names, key=lambda i: _stream_position(manifest, i))
+
+
+def _whole(manifest: Manifest, names: dict[int, str]) -> bool:
+    """Whether ``names`` is the whole snapshot under the keys it was stored with."""
+    return len(names) == len(manifest.tensors) and all(
+        names[i] == t.key for i, t in enumerate(manifest.tensors)
+    )
+
+
 def _safetensors_layout(
-    manifest: Manifest, names: dict[int, str]
-) -> tuple[bytes, dict[int, _Placement], int]:
-    """The header, where each stored tensor's bytes go, and the file's size."""
+    manifest: Manifest, names: dict[int, str], order: Sequence[int], whole: bool
+) -> tuple[bytes, dict[int, list[int]], int]:
+    """The header of a safetensors file holding the tensors ``order`` (manifest indexes, in
+    file order) under their ``names``, where in the file each stored tensor's bytes go (every
+    copy of them), and the file's size. ``whole``: keep what ``import`` needs to rebuild the
+    snapshot exactly."""
     entries: dict[str, Any] = {}
     relative: dict[int, list[int]] = {}
     cursor = 0
-    for i in sorted(names, key=lambda i: _stream_position(manifest, i)):
+    for i in order:
         meta = manifest.tensors[i]
         dtype = SAFETENSORS_DTYPES.get(meta.dtype)
         if dtype is None:
@@ -200,9 +257,7 @@ def _safetensors_layout(
         "format": "pt",
         "lazyckpt.step": str(manifest.step),
     }
-    if len(names) == len(manifest.tensors) and all(
-        names[i] == t.key for i, t in enumerate(manifest.tensors)
-    ):
+    if whole:
         # The whole snapshot: keep what `import` needs to rebuild it exactly, plain values
         # and tied weights included.
         metadata["lazyckpt.tree"] = json.dumps(manifest.tree, separators=(",", ":"))
@@ -212,28 +267,58 @@ def _safetensors_layout(
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # the format aligns the data section to 8 bytes
     start = 8 + len(header)
-    placements = {
-        i: _Placement([start + offset for offset in offsets]) for i, offsets in relative.items()
-    }
-    return struct.pack("<Q", len(header)) + header, placements, start + cursor
+    offsets = {i: [start + offset for offset in at] for i, at in relative.items()}
+    return struct.pack("<Q", len(header)) + header, offsets, start + cursor
+
+
+@dataclass
+class _File:
+    """One safetensors file to write: its (partial) path, header, tensor offsets and size."""
+
+    path: Path
+    head: bytes
+    offsets: dict[int, list[int]]
+    size: int
+
+
+def _create(files: Sequence[_File]) -> None:
+    """Create each file at its full size, its header written."""
+    for file in files:
+        fd = os.open(file.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, file.size)
+            data, offset = memoryview(file.head), 0
+            while data:
+                written = os.pwrite(fd, data, offset)
+                data, offset = data[written:], offset + written
+        finally:
+            os.close(fd)
 
 
 async def _export_safetensors(
     loc: Location,
     m: Manifest,
-    names: dict[int, str],
-    fd: int,
+    files: Sequence[_File],
     ui: Console,
     jobs: int,
     full: dict[int, torch.Tensor] | None = None,
 ) -> None:
-    head, placements, size = _safetensors_layout(m, names)
-    await asyncio.to_thread(os.ftruncate, fd, size)
-    await asyncio.to_thread(_write_pieces, fd, [(0, memoryview(head))])
-    if full is not None:
-        await asyncio.to_thread(_write_from_memory, fd, full, placements)
-    else:
-        await _stream_into(fd, loc, m, placements, ui, f"export step {m.step}", jobs)
+    """Write the safetensors ``files``, their tensors streamed from the tier (or taken from
+    ``full``, assembled in memory)."""
+    await asyncio.to_thread(_create, files)
+    placements: dict[int, _Placement] = {}
+    for number, file in enumerate(files):
+        for index, offsets in file.offsets.items():
+            targets = placements.setdefault(index, _Placement([])).targets
+            targets.extend((number, offset) for offset in offsets)
+    out = _Outputs([file.path for file in files])
+    try:
+        if full is not None:
+            await asyncio.to_thread(_write_from_memory, out, full, placements)
+        else:
+            await _stream_into(out, loc, m, placements, ui, f"export step {m.step}", jobs)
+    finally:
+        out.close()
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -242,12 +327,12 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _write_from_memory(
-    fd: int, full: dict[int, torch.Tensor], placements: dict[int, _Placement]
+    out: _Outputs, full: dict[int, torch.Tensor], placements: dict[int, _Placement]
 ) -> None:
     """Write assembled tensors where their bytes go, each placement's crc32 kept."""
     for index, placement in placements.items():
         data = _tensor_bytes(full[index])
-        _write_pieces(fd, [(offset, data) for offset in placement.offsets])
+        out.write([(file, offset, data) for file, offset in placement.targets])
         placement.crc = zlib.crc32(data)
 
 
@@ -439,39 +524,147 @@ async def _export_torch(
                 f"torch.save laid out storage {k} with {size} bytes, but "
                 f"{m.tensors[index].key!r} has {m.tensors[index].nbytes}"
             )
-        placements[index] = _Placement([offset])
+        placements[index] = _Placement([(0, offset)])
         names[index] = name
-    fd = os.open(tmp, os.O_WRONLY)
+    out = _Outputs([tmp])
     try:
         if full is not None:
-            await asyncio.to_thread(_write_from_memory, fd, full, placements)
+            await asyncio.to_thread(_write_from_memory, out, full, placements)
         else:
             await _stream_into(
-                fd, loc, m, placements, ui, f"export step {m.step}", jobs, track_crc=True
+                out, loc, m, placements, ui, f"export step {m.step}", jobs, track_crc=True
             )
     finally:
-        os.close(fd)
+        out.close()
     crcs = {names[i]: (*records[names[i]], p.crc) for i, p in placements.items()}
     await asyncio.to_thread(_patch_zip_crcs, tmp, crcs)
 
 
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    with tmp.open("rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def _fsync_replace(tmp: Path, final: Path, *, sync_dir: bool = True) -> None:
+    with tmp.open("rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    if sync_dir:
+        _fsync_dir(final.parent)
+
+
+_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def _export_directory_wanted(args: argparse.Namespace, final: Path) -> bool:
+    """Whether ``--to`` names a directory of sharded safetensors files: with
+    ``--max-shard-size``, a path ending in a slash, or an existing directory."""
+    if args.max_shard_size is None and not args.to.endswith(("/", os.sep)) and not final.is_dir():
+        return False
+    if args.format == "torch":
+        raise CommandError(
+            "a directory export writes sharded safetensors files; --format torch writes "
+            "one file: give --to a file name",
+            EXIT_USAGE,
+        )
+    if args.max_shard_size is not None and args.max_shard_size < 1:
+        raise CommandError("--max-shard-size must be at least 1 byte", EXIT_USAGE)
+    if final.is_file() or (final.suffix.lower() in _FILE_SUFFIXES and not final.exists()):
+        raise CommandError(
+            f"a sharded export writes a directory of shard files, and {final} names a "
+            "file; give --to a directory",
+            EXIT_USAGE,
+        )
+    if final.is_dir() and not args.force:
+        held = sorted(
+            (p.name for p in final.iterdir() if HF_SHARD.match(p.name) or p.name == HF_INDEX),
+            key=lambda name: (name != HF_INDEX, name),
+        )
+        if held:
+            raise CommandError(
+                f"{final} already holds {', '.join(held[:3])}"
+                f"{' and more' if len(held) > 3 else ''}; pass --force to replace them",
+                EXIT_USAGE,
+            )
+    return True
+
+
+def _finish_directory(
+    files: Sequence[_File], names: Sequence[str], index: bytes, final: Path
+) -> None:
+    """Put the written shard files in place under their names, then the index, then take
+    away the shard files of an earlier export that the new index does not name."""
+    for file, name in zip(files, names, strict=True):
+        _fsync_replace(file.path, final / name, sync_dir=False)
+    tmp = final / f".{HF_INDEX}.partial"
+    try:
+        tmp.write_bytes(index)
+        _fsync_replace(tmp, final / HF_INDEX, sync_dir=False)
+    finally:
+        tmp.unlink(missing_ok=True)
+    for stale in final.iterdir():
+        if HF_SHARD.match(stale.name) and stale.name not in names:
+            stale.unlink()
+    _fsync_dir(final)
+
+
+def _clean_up(files: Sequence[_File], created: Path | None) -> None:
+    """Remove the partial files left (all of them when the export failed), and the
+    directory ``created`` for the export if nothing else is in it."""
+    for file in files:
+        file.path.unlink(missing_ok=True)
+    if created is not None:
+        with contextlib.suppress(OSError):  # not empty: the export got through
+            created.rmdir()
+
+
+async def _export_directory(
+    loc: Location,
+    m: Manifest,
+    names: dict[int, str],
+    final: Path,
+    max_bytes: int,
+    ui: Console,
+    jobs: int,
+    full: dict[int, torch.Tensor] | None,
+) -> int:
+    """Write ``names`` as sharded safetensors files with ``model.safetensors.index.json``
+    (transformers' layout), each file up to ``max_bytes`` of tensor data unless one tensor
+    is larger. Every file is written under a partial name and put in place at the end, the
+    index last; a failed export leaves the directory as it was. Returns the file count."""
+    order = _file_order(m, names)
+    groups = plan_shards([m.tensors[i].nbytes for i in order], max_bytes)
+    file_names = shard_file_names(len(groups))
+    created = not await asyncio.to_thread(final.exists)
+    await asyncio.to_thread(final.mkdir, parents=True, exist_ok=True)
+    files: list[_File] = []
+    weight_map: dict[str, str] = {}
+    for group, name in zip(groups, file_names, strict=True):
+        members = [order[j] for j in group]
+        head, offsets, size = _safetensors_layout(m, names, members, whole=False)
+        files.append(_File(final / f".{name}.partial", head, offsets, size))
+        weight_map.update((names[i], name) for i in members)
+    total = sum(m.tensors[i].nbytes for i in order)
+    index = index_document(weight_map, total)
+    try:
+        await _export_safetensors(loc, m, files, ui, jobs, full)
+        await asyncio.to_thread(_finish_directory, files, file_names, index, final)
+    finally:
+        await asyncio.to_thread(_clean_up, files, final if created else None)
+    return len(files)
+
+
 async def export_command(args: argparse.Namespace, ui: Console) -> int:
     """``lazyckpt export``: write one step to a file, through a partial file replaced at the
-    end, so a failed export leaves no file behind."""
-    fmt = format_of(args.to, args.format)
+    end, so a failed export leaves no file behind; or to a directory of sharded safetensors
+    files, each through a partial file, the index written last."""
     final = Path(args.to)
-    if not args.force and await asyncio.to_thread(final.exists):
+    to_directory = await asyncio.to_thread(_export_directory_wanted, args, final)
+    fmt = "safetensors" if to_directory else format_of(args.to, args.format)
+    if not to_directory and not args.force and await asyncio.to_thread(final.exists):
         raise CommandError(f"{final} exists; pass --force to replace it", EXIT_USAGE)
     async with opened(args.location) as loc:
         (step,) = await pick_steps(loc, args.step)
@@ -485,14 +678,22 @@ async def export_command(args: argparse.Namespace, ui: Console) -> int:
         if args.select is not None and not names:
             raise CommandError(f"no tensor under {args.select!r} in step {step}", EXIT_NOT_FOUND)
         names = _stripped_names(names, args.strip_prefix)
+        if to_directory:
+            max_bytes = args.max_shard_size or DEFAULT_MAX_SHARD_BYTES
+            count = await _export_directory(loc, m, names, final, max_bytes, ui, args.jobs, full)
+            ui.note(
+                f"wrote step {step} ({len(names)} tensors) to {final} as {count} safetensors "
+                f"file{'s' if count > 1 else ''} and {HF_INDEX}"
+            )
+            return EXIT_OK
         tmp = final.with_name(f".{final.name}.partial")
         try:
             if fmt == "safetensors":
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    await _export_safetensors(loc, m, names, fd, ui, args.jobs, full)
-                finally:
-                    os.close(fd)
+                order = _file_order(m, names)
+                head, offsets, size = _safetensors_layout(m, names, order, _whole(m, names))
+                await _export_safetensors(
+                    loc, m, [_File(tmp, head, offsets, size)], ui, args.jobs, full
+                )
             else:
                 await _export_torch(
                     loc,

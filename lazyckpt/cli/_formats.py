@@ -1,8 +1,12 @@
-"""The file formats ``export`` writes and ``import`` reads: safetensors dtype names, and telling
-a file's format from its name or its first bytes."""
+"""The file formats ``export`` writes and ``import`` reads: safetensors dtype names, telling a
+file's format from its name or its first bytes, and the sharded layout of a Hugging Face
+checkpoint directory (shard files and their index)."""
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from ._status import (
@@ -63,3 +67,52 @@ def sniff_format(path: Path) -> str:
         f"cannot tell the format of {path}; pass --format safetensors or --format torch",
         EXIT_USAGE,
     )
+
+
+# -- the sharded safetensors layout of Hugging Face checkpoints -----------------------------------
+
+HF_INDEX = "model.safetensors.index.json"
+"""The index of a sharded checkpoint: which file holds each tensor."""
+
+HF_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+"""The names of the weight files a Hugging Face checkpoint directory holds."""
+
+DEFAULT_MAX_SHARD_BYTES = 5 << 30
+
+
+def plan_shards(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
+    """Tensors (by position in ``sizes``, in that order) grouped into shard files as
+    ``transformers`` groups them: each file takes tensors in order until the next would take it
+    past ``max_bytes``; a tensor larger than that gets a file of its own."""
+    if max_bytes < 1:
+        raise ValueError(f"the largest shard must be at least 1 byte, not {max_bytes}")
+    shards: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if size > max_bytes:
+            shards.append([i])
+            continue
+        if current and filled + size > max_bytes:
+            shards.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    """``model-00001-of-0000N.safetensors`` for each of ``count`` shard files."""
+    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+
+
+def index_document(weight_map: dict[str, str], total_size: int) -> bytes:
+    """``model.safetensors.index.json``: the tensors' total size in bytes and each tensor's
+    file, as ``transformers`` writes it."""
+    doc = {
+        "metadata": {"total_size": total_size},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return (json.dumps(doc, indent=2) + "\n").encode()

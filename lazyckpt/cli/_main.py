@@ -163,21 +163,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "export",
         export_command,
-        "write a snapshot as a safetensors or torch.save file",
+        "write a snapshot as a safetensors or torch.save file, or sharded safetensors",
         "Write a snapshot to a safetensors file or a torch.save file, streaming: shards go "
         "from the tier to the file one at a time, checked on the way, and the whole state is "
         "never in memory at once. A safetensors file gets the tensors (keys as stored, e.g. "
         "model/layer.weight) and, for a whole snapshot, what import needs to rebuild it "
         "exactly. A torch file holds the full state (tensors and plain values) and loads with "
-        "torch.load.",
+        "torch.load. A directory gets the tensors as sharded safetensors files "
+        "(model-00001-of-0000N.safetensors) and model.safetensors.index.json, the layout "
+        "transformers' save_pretrained writes and from_pretrained loads.",
     )
     p.add_argument("location", metavar="LOCATION")
     p.add_argument("--step", type=_step, help="the step (default: the latest)")
-    p.add_argument("--to", required=True, metavar="FILE", help="the file to write")
+    p.add_argument(
+        "--to",
+        required=True,
+        metavar="PATH",
+        help="the file to write; or a directory (one that exists, a path ending in /, or "
+        "any path with --max-shard-size) for sharded safetensors files and their index",
+    )
     p.add_argument(
         "--format",
         choices=("safetensors", "torch"),
         help="default: from the file name (.safetensors; .pt, .pth, .bin, .ckpt)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_size,
+        metavar="SIZE",
+        help="write a directory of safetensors files, each holding up to SIZE of tensor "
+        "data (e.g. 2GiB; default 5GiB), a tensor larger than SIZE in a file of its own",
     )
     p.add_argument(
         "--select",

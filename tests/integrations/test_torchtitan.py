@@ -4,6 +4,7 @@ itself needs an accelerator in torchtitan 0.3, so the loop below plays its part.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 from torch.utils.data import IterableDataset
 
@@ -21,13 +24,20 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 
-from lazyckpt import ConfigurationError, SnapshotFailedError, SyncCheckpointer
+from lazyckpt import (
+    ConfigurationError,
+    SnapshotFailedError,
+    StateMismatchError,
+    SyncCheckpointer,
+)
 from lazyckpt.integrations.torchtitan import LazyCheckpointManager
 from lazyckpt.testing import FaultyTier
 from tiers import FileTier, HostMemoryTier
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
 from helpers.ranks import launch_ranks, rank_results
+from titan_llama import TitanLlama, TitanLlamaAdapter, hf_config
 
 WORKER = Path(__file__).parent / "torchtitan_worker.py"
 
@@ -75,11 +85,19 @@ class TrainState:
 
 
 class Run:
-    """One training run: torchtitan's containers around a tiny model, and the manager."""
+    """One training run: torchtitan's containers around a tiny model (``model``, else a small
+    MLP), and the manager, given ``sd_adapter`` as torchtitan's trainer gives it."""
 
-    def __init__(self, folder: Path, **config: Any) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        model: torch.nn.Module | None = None,
+        sd_adapter: Any = None,
+        **config: Any,
+    ) -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(
+        self.model = model or torch.nn.Sequential(
             torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
         )
         self.optimizers = OptimizersContainer.Config(
@@ -107,7 +125,7 @@ class Run:
             "optimizers": self.optimizers,
             "lr_schedulers": self.lr_schedulers,
             "states": {"train_state": self.train_state},
-            "sd_adapter": None,
+            "sd_adapter": sd_adapter,
             "base_folder": str(folder),
         }
         if tiers is not None:
@@ -214,12 +232,10 @@ def test_raise_save_errors_raises(tmp_path: Path) -> None:
     run.checkpointer.close()
 
 
-def test_disabled_and_unsupported_settings(tmp_path: Path) -> None:
+def test_disabled_settings(tmp_path: Path) -> None:
     off = Run(tmp_path, enable=False)
     assert not off.checkpointer.save(4)
     assert not off.checkpointer.load()
-    with pytest.raises(ConfigurationError, match="safetensors"):
-        Run(tmp_path, last_save_in_hf=True)
 
 
 @pytest.mark.slow
@@ -248,3 +264,176 @@ def test_the_config_serializes_as_torchtitan_logs_it() -> None:
     assert as_dict["interval"] == 500
     with pytest.raises(ValueError, match="at least 2 checkpoint"):  # torchtitan's own check
         LazyCheckpointManager.Config(keep_latest_k=1)
+
+
+# -- Hugging Face checkpoints --------------------------------------------------------------------
+
+INDEX = "model.safetensors.index.json"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def hf_run(folder: Path, adapter: Any = None, **config: Any) -> Run:
+    return Run(folder, model=TitanLlama(), sd_adapter=adapter or TitanLlamaAdapter(), **config)
+
+
+def transformers_llama(seed: int) -> Any:
+    """transformers' Llama of the same shape as TitanLlama, built from its config, its norms
+    moved off their initial ones."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(hf_config())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return model
+
+
+def test_the_last_step_in_hf_is_what_from_pretrained_loads(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    run = hf_run(tmp_path, last_save_in_hf=True, hf_max_shard_bytes=64 << 10)
+    run.train(STEPS)
+    run.checkpointer.close()
+    assert committed(tmp_path / "ckpt") == [4]  # the last step is the HF directory alone
+    out = tmp_path / "ckpt" / "hf" / f"step-{STEPS}"
+    index = json.loads((out / INDEX).read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2
+    assert set(index["weight_map"].values()) == set(files)
+    trained = TitanLlamaAdapter().to_hf(run.model.state_dict())
+    assert set(index["weight_map"]) == set(trained)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in trained.values())
+
+    hf_config().save_pretrained(out)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    assert set(loaded) == set(trained)
+    for key, tensor in trained.items():
+        assert same_bits(loaded[key], tensor), key
+    # the adapter's values, not the model's own: query rows are in transformers' order
+    wq = run.model.state_dict()["layers.0.attention.wq.weight"]
+    assert not torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], wq)
+
+
+def test_the_hf_export_dtype_and_the_adapters_file_layout(tmp_path: Path) -> None:
+    # the checkpoint the model came from, sharded by transformers itself: its index says
+    # which file each tensor goes in, and the export follows it
+    assets = tmp_path / "assets"
+    transformers_llama(1).save_pretrained(assets, max_shard_size="100KB")
+    original = json.loads((assets / INDEX).read_text())["weight_map"]
+    assert len(set(original.values())) > 2
+    adapter = TitanLlamaAdapter(hf_assets_path=str(assets))
+    run = hf_run(tmp_path, adapter, last_save_in_hf=True, export_dtype="bfloat16")
+    run.train(STEPS)
+    run.checkpointer.close()
+    out = tmp_path / "ckpt" / "hf" / f"step-{STEPS}"
+    weight_map = json.loads((out / INDEX).read_text())["weight_map"]
+    assert weight_map == original
+    with safetensors.safe_open(out / weight_map["lm_head.weight"], "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+
+
+def test_a_run_starts_from_a_transformers_checkpoint(tmp_path: Path) -> None:
+    hf = transformers_llama(2)
+    source = tmp_path / "llama"
+    hf.save_pretrained(source, max_shard_size="100KB")  # transformers' own sharded layout
+    run = hf_run(tmp_path / "a", initial_load_in_hf=True, initial_load_path=str(source))
+    assert run.checkpointer.load()
+    want = TitanLlamaAdapter().from_hf(hf.state_dict())
+    got = run.model.state_dict()
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        assert same_bits(got[key], tensor), key
+    run.train(4)  # and trains on, saving step 4 as usual
+    run.checkpointer.close()
+    assert committed(tmp_path / "a" / "ckpt") == [4]
+
+    # a committed step wins over the initial checkpoint, as in torchtitan's manager
+    again = hf_run(tmp_path / "a", initial_load_in_hf=True, initial_load_path=str(source))
+    assert again.checkpointer.load()
+    assert again.train_state.step == 4
+    for key, tensor in run.model.state_dict().items():
+        assert same_bits(again.model.state_dict()[key], tensor), key
+    again.checkpointer.close()
+
+
+def test_hf_load_from_the_adapters_assets_and_a_single_file(tmp_path: Path) -> None:
+    hf = transformers_llama(3)
+    assets = tmp_path / "assets"
+    hf.save_pretrained(assets)  # one model.safetensors, no index
+    assert not (assets / INDEX).exists()
+    adapter = TitanLlamaAdapter(hf_assets_path=str(assets))
+    run = hf_run(tmp_path / "a", adapter, initial_load_in_hf=True)
+    assert run.checkpointer.load()
+    want = TitanLlamaAdapter().from_hf(hf.state_dict())
+    for key, tensor in run.model.state_dict().items():
+        assert same_bits(tensor, want[key]), key
+    run.checkpointer.close()
+
+
+def test_hf_settings_that_cannot_work(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="state-dict adapter"):
+        Run(tmp_path, last_save_in_hf=True)  # the MLP has no adapter
+    with pytest.raises(ConfigurationError, match="initial_load_path, else the model's"):
+        hf_run(tmp_path, initial_load_in_hf=True)  # nowhere to load from
+    with pytest.raises(ConfigurationError, match="at least 1 byte"):
+        LazyCheckpointManager.Config(enable=True, last_save_in_hf=True, hf_max_shard_bytes=0)
+    with pytest.raises(ConfigurationError, match="quantized"):
+        hf_run(
+            tmp_path,
+            initial_load_in_hf=True,
+            initial_load_in_hf_quantized=True,
+            initial_load_path=str(tmp_path),
+        )
+
+    def load_from(path: Path) -> None:
+        run = hf_run(tmp_path / "fresh", initial_load_in_hf=True, initial_load_path=str(path))
+        try:
+            run.checkpointer.load()
+        finally:
+            run.checkpointer.close()
+
+    with pytest.raises(ConfigurationError, match="not a directory"):
+        load_from(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigurationError, match="no safetensors files"):
+        load_from(empty)
+    partial = tmp_path / "partial"
+    state = transformers_llama(4).state_dict()
+    del state["model.layers.1.mlp.up_proj.weight"]
+    partial.mkdir()
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in state.items()}, partial / "model.safetensors"
+    )
+    with pytest.raises(StateMismatchError, match="lacks 1 tensor") as info:
+        load_from(partial)
+    assert info.value.missing == ["model.layers.1.mlp.up_proj.weight"]
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_save_and_load_hf(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    out.mkdir()
+    launch_ranks(WORKER, ["hf", str(tmp_path), str(out)], 2, timeout=150)
+    results = rank_results(out)
+    assert sorted(results) == [0, 1]
+    for result in results.values():
+        assert result["loaded"] and result["sharded"]
+        assert result["differ"] == []  # the sharded model loads what the ranks wrote
+    directory = tmp_path / "ckpt" / "hf" / "step-4"
+    assert len(list(directory.glob("model-*.safetensors"))) > 2  # the ranks took turns
+    hf_config().save_pretrained(directory)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(directory).state_dict()
+    expected = torch.load(out / "expected_hf.pt", weights_only=True)
+    index = json.loads((directory / INDEX).read_text())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in expected.values())
+    assert set(loaded) == set(expected)
+    for key, tensor in expected.items():
+        assert same_bits(loaded[key], tensor), key
