@@ -31,6 +31,7 @@ from ._errors import (
     TierClosedError,
     TierError,
     TierFullError,
+    TierSkippedError,
     UnsupportedStateError,
 )
 from ._format.entries import Segment, ShardMeta, TensorMeta
@@ -43,14 +44,16 @@ from ._metrics import (
     export_prometheus,
     install_log_context,
 )
-from ._options import CheckpointerOptions
+from ._options import Cadence, CheckpointerOptions
 from ._restore.keys import strip_prefix
 from ._restore.reshard import Replicated
 from ._restore.verify import VerifyReport
 from ._tiering.arena import ArenaStats, Block, HostArena
 from ._tiering.interface import (
     ENTRY_POINT_GROUP,
+    KeepBest,
     Retention,
+    StepInfo,
     SupportsStaging,
     Tier,
     available_tiers,
@@ -67,6 +70,7 @@ __all__ = [
     "LOG_FORMAT",
     "ArenaStats",
     "Block",
+    "Cadence",
     "Checkpointer",
     "CheckpointerClosedError",
     "CheckpointerOptions",
@@ -79,6 +83,7 @@ __all__ = [
     "HostArena",
     "ImmutabilityViolationError",
     "InvalidTransitionError",
+    "KeepBest",
     "LayoutOptions",
     "LazyCkptError",
     "LocationInUseError",
@@ -97,6 +102,7 @@ __all__ = [
     "SnapshotStats",
     "StateMismatchError",
     "Stateful",
+    "StepInfo",
     "StepTierAdapter",
     "StepTierFilter",
     "SupportsStaging",
@@ -108,6 +114,7 @@ __all__ = [
     "TierError",
     "TierFullError",
     "TierLevel",
+    "TierSkippedError",
     "UnsupportedStateError",
     "VerifyReport",
     "__version__",

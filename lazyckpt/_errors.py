@@ -50,6 +50,7 @@ __all__ = [
     "TierClosedError",
     "TierError",
     "TierFullError",
+    "TierSkippedError",
     "UnsupportedStateError",
     "first_error",
 ]
@@ -201,6 +202,17 @@ class SnapshotSkippedWarning(UserWarning):
 
 class SnapshotSkippedError(LazyCkptError):
     """Raised by the awaitables of a skipped snapshot's handle: it was never taken."""
+
+
+class TierSkippedError(SnapshotSkippedError):
+    """Raised by ``handle.reached(tier)`` (and ``wait(tier)``) for a tier whose cadence
+    does not take that snapshot (``Checkpointer(cadence=...)``): the step is not written
+    there. ``step`` is the step, ``tier`` the tier's name."""
+
+    def __init__(self, message: str, *, step: int, tier: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.tier = tier
 
 
 class SnapshotInFlightError(LazyCkptError):

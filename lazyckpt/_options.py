@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import re
 import signal
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,9 +21,66 @@ from typing import Any, Literal
 from ._errors import ConfigurationError
 from ._format.manifest import SHARD_ALIGN, LayoutOptions
 
-__all__ = ["CheckpointerOptions", "compile_patterns"]
+__all__ = ["Cadence", "CheckpointerOptions", "compile_patterns"]
 
 _DEFAULT_SHARD = 16 << 20
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Which snapshots a tier of the chain takes (``Checkpointer(cadence={name: ...})``).
+
+    A tier with a cadence takes a snapshot when its step is a multiple of ``every``, or
+    when at least ``seconds`` have passed since the last snapshot it took in this run (the
+    first snapshot of a run counts as due); either condition is enough when both are
+    given. A tier without one takes every snapshot. Across ranks, a step decided by
+    ``every`` needs no agreement (every rank computes the same answer); a time-based
+    choice is agreed (a step is taken when any rank finds it due), so that every rank
+    takes the same steps. See docs/design.md ("A cadence per tier").
+
+    Attributes:
+        every: take the steps divisible by this (``every=100``: 0, 100, 200, ...).
+        seconds: take at most about one snapshot per this many seconds of wall time.
+    """
+
+    every: int | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.every is not None and (type(self.every) is not int or self.every < 1):
+            raise _bad("cadence every", "a positive int (take every n-th step) or None", self.every)
+        if self.seconds is not None:
+            number = not isinstance(self.seconds, bool) and isinstance(self.seconds, int | float)
+            if not number or not math.isfinite(self.seconds) or self.seconds <= 0:
+                raise _bad("cadence seconds", "seconds > 0 or None", self.seconds)
+            object.__setattr__(self, "seconds", float(self.seconds))
+        if self.every is None and self.seconds is None:
+            raise ConfigurationError(
+                "a Cadence needs every=<steps>, seconds=<interval> or both; a tier that "
+                "takes every snapshot needs no cadence"
+            )
+
+    def due(self, step: int, since_last: float | None) -> bool:
+        """Whether ``step`` is taken, ``since_last`` seconds after the last snapshot this
+        tier took (None: it took none yet in this run)."""
+        if self.every is not None and step % self.every == 0:
+            return True
+        return self.seconds is not None and (since_last is None or since_last >= self.seconds)
+
+    def describe(self) -> dict[str, Any]:
+        """What a manifest records about it (JSON)."""
+        doc: dict[str, Any] = {}
+        if self.every is not None:
+            doc["every"] = self.every
+        if self.seconds is not None:
+            doc["seconds"] = self.seconds
+        return doc
+
+    def __str__(self) -> str:
+        parts = [f"every {self.every} steps"] if self.every is not None else []
+        if self.seconds is not None:
+            parts.append(f"every {self.seconds:g} s")
+        return " or ".join(parts)
 _DEFAULT_PACK = 1 << 20
 
 
@@ -96,6 +154,18 @@ class CheckpointerOptions:
             ``docs/guarantees.md`` ("Preemption").
         preemption_grace: seconds the preemption handler drains at most (most schedulers
             kill 30 s after the notice).
+        cadence: which snapshots each tier takes, by tier name: ``{"nvme": 10, "s3":
+            Cadence(every=100, seconds=1800)}`` (an int n is ``Cadence(every=n)``). A tier
+            not named takes every snapshot, and so does the first tier of the chain, always
+            (every snapshot lands there first). A tier that skips a step writes nothing for
+            it, and its awaitable on the step's handle raises
+            :class:`TierSkippedError`; ``committed()`` waits for the tiers that take it.
+            See docs/design.md ("A cadence per tier").
+        emergency_tiers: the tiers that get an *emergency copy* of the newest snapshot
+            when their cadence skipped it, on a preemption signal, ``drain()`` and
+            ``close()``: the copy is read back from the fastest tier holding the step,
+            verified, and committed within the preemption grace. ``None`` (the default):
+            every tier that has a cadence; ``()``: none.
         incremental: write to a durable tier only the shards whose bytes differ from its
             newest committed snapshot (frozen weights, adapters, sparse updates); a step's
             manifest refers to the stored copy of the others and stays restorable on its
@@ -130,6 +200,8 @@ class CheckpointerOptions:
     preemption_signals: tuple[signal.Signals, ...] = ()
     preemption_grace: float = 25.0
     incremental: bool | Literal["versions"] = False
+    cadence: Mapping[str, Cadence | int] = dataclasses.field(default_factory=dict)
+    emergency_tiers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.shard_size is not None:
@@ -162,6 +234,11 @@ class CheckpointerOptions:
         object.__setattr__(self, "preemption_grace", float(self.preemption_grace))
         if type(self.incremental) is not bool and self.incremental != "versions":
             raise _bad("incremental", "False, True or 'versions'", self.incremental)
+        object.__setattr__(self, "cadence", _cadences(self.cadence))
+        if self.emergency_tiers is not None:
+            object.__setattr__(
+                self, "emergency_tiers", _names("emergency_tiers", self.emergency_tiers)
+            )
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> CheckpointerOptions:
@@ -240,6 +317,32 @@ def _patterns(option: str, value: Any) -> tuple[str, ...]:
     ):
         raise _bad(option, "a list or tuple of key patterns such as 'model/ema.*'", value)
     return tuple(value)
+
+
+def _cadences(value: Any) -> Mapping[str, Cadence]:
+    if not isinstance(value, Mapping):
+        raise _bad("cadence", "a mapping of tier names to Cadence(...) or an int", value)
+    found: dict[str, Cadence] = {}
+    for name, c in value.items():
+        if not isinstance(name, str):
+            raise _bad("cadence", "keyed by tier names (str)", name)
+        if type(c) is int:
+            if c < 1:
+                raise _bad(f"cadence[{name!r}]", "a positive int (every n-th step)", c)
+            c = Cadence(every=c)
+        if not isinstance(c, Cadence):
+            raise _bad(f"cadence[{name!r}]", "a Cadence(every=..., seconds=...) or an int", c)
+        found[name] = c
+    return found
+
+
+def _names(option: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise _bad(option, "a list of tier names, or None", value)
+    names = tuple(value)
+    if not all(isinstance(n, str) for n in names):
+        raise _bad(option, "a list of tier names, or None", value)
+    return names
 
 
 def _signals(value: Any) -> tuple[signal.Signals, ...]:

@@ -28,9 +28,10 @@ the optional capability protocols, checked with ``isinstance``:
 Which rank a tier instance serves is handed in with :meth:`Tier.bind` before ``open()``.
 Backend errors are mapped once, at the tier's boundary, by :func:`backend_errors` (which
 uses :func:`translate_os_error` for ``OSError``), with the original as ``__cause__``.
-Retention (``keep_last``, ``keep_every``) is :class:`Retention`. A tier registers under
-the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier` and
-:func:`available_tiers` find it. The conformance suite every tier should pass is
+Retention (``keep_last``, ``keep_every``, ``keep_best``, ``keep_within``) is
+:class:`Retention`, with :class:`KeepBest` and the :class:`StepInfo` it judges steps by.
+A tier registers under the entry-point group :data:`ENTRY_POINT_GROUP`; :func:`load_tier`
+and :func:`available_tiers` find it. The conformance suite every tier should pass is
 ``lazyckpt.testing.TierTests``. See docs/tiers.md.
 """
 
@@ -61,7 +62,9 @@ from ._format.manifest import FORMAT_VERSION, Manifest
 from ._tiering.arena import Block, HostArena
 from ._tiering.interface import (
     ENTRY_POINT_GROUP,
+    KeepBest,
     Retention,
+    StepInfo,
     SupportsBatchPut,
     SupportsBlockRead,
     SupportsChecksummedRead,
@@ -87,6 +90,7 @@ __all__ = [
     "Exchange",
     "ForeignLocationError",
     "HostArena",
+    "KeepBest",
     "LazyCkptError",
     "LocationInUseError",
     "Manifest",
@@ -94,6 +98,7 @@ __all__ = [
     "Segment",
     "ShardMeta",
     "SnapshotNotFoundError",
+    "StepInfo",
     "SupportsBatchPut",
     "SupportsBlockRead",
     "SupportsChecksummedRead",

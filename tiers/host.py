@@ -9,8 +9,10 @@ from lazyckpt.tier import (
     CorruptionError,
     HostArena,
     Manifest,
+    Retention,
     ShardMeta,
     SnapshotNotFoundError,
+    StepInfo,
     Tier,
     TierClosedError,
     TierFullError,
@@ -42,6 +44,9 @@ class HostMemoryTier(Tier):
         name: the tier's name (default ``"host"``).
         keep_last, keep_every: retention (see :class:`lazyckpt.Retention`); the arena's own
             eviction applies on top.
+        retention: the whole retention policy as one :class:`lazyckpt.Retention` (which
+            also holds ``keep_best`` and ``keep_within``), instead of ``keep_last`` and
+            ``keep_every``.
     """
 
     level = TierLevel.HOST
@@ -55,8 +60,11 @@ class HostMemoryTier(Tier):
         name: str | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        retention: Retention | None = None,
     ) -> None:
-        super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
+        super().__init__(
+            name=name, keep_last=keep_last, keep_every=keep_every, retention=retention
+        )
         self._arena = HostArena(capacity_bytes, pinned=pinned)
         self._blocks: dict[int, dict[int, Block]] = {}
         self._owner: dict[int, int] = {}  # id(block) -> step
@@ -150,7 +158,10 @@ class HostMemoryTier(Tier):
                 tier=self.name,
             )
         self._committed[manifest.step] = manifest
-        for step in self.retention.to_delete(self._committed):
+        info = None
+        if self.retention.needs_info():
+            info = {s: StepInfo.from_manifest(m) for s, m in self._committed.items()}
+        for step in self.retention.to_delete(self._committed, info):
             self.forget(step)
 
     async def abort(self, step: int) -> None:

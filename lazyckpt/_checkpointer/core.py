@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +28,7 @@ from .._distributed.preemption import PreemptionHandler
 from .._engine.flight import Flight
 from .._engine.scheduler import Engine
 from .._errors import CheckpointerClosedError, ConfigurationError, SnapshotSkippedWarning
-from .._format.manifest import Manifest, plan_layout
+from .._format.manifest import Manifest, check_metrics, plan_layout
 from .._format.walk import Columns, KeyCache, TensorRef, walk_state
 from .._gcpause import collector_paused
 from .._options import CheckpointerOptions
@@ -120,7 +120,14 @@ class _Core(_StepOps, _Lifecycle):
             committed = [s for part in everyone for s in part]
         self._last_step = max(committed) if committed else None
 
-    def prepare(self, state: Any, step: int, stacklevel: int = 3) -> Flight | SnapshotHandle:
+    def prepare(
+        self,
+        state: Any,
+        step: int,
+        stacklevel: int = 3,
+        *,
+        metrics: Mapping[str, float] | None = None,
+    ) -> Flight | SnapshotHandle:
         """The synchronous half of ``snapshot()``: walk, copy the eager tensors, plan. Returns
         the flight to submit, or the handle of a skipped snapshot (whose warning points
         ``stacklevel`` frames up: at the caller of the public ``snapshot()``)."""
@@ -128,6 +135,7 @@ class _Core(_StepOps, _Lifecycle):
         self.check_open()
         if type(step) is not int or step < 0:
             raise ConfigurationError(f"step must be a non-negative int, got {step!r}")
+        kept_metrics = check_metrics(metrics) if metrics else None
         if self._last_step is not None and step <= self._last_step:
             raise ConfigurationError(
                 f"step {step} is not newer than the newest snapshot ({self._last_step}); "
@@ -173,7 +181,10 @@ class _Core(_StepOps, _Lifecycle):
                 f"({self.engine.skipped + 1} skipped so far)",
                 stacklevel + 1,
             )
+        if kept_metrics:
+            manifest = replace(manifest, metrics=kept_metrics)
         flight = Flight(manifest, refs, self.engine.stage_names, nbytes)
+        self.engine.plan_stages(flight)  # which tiers take it (Checkpointer(cadence=...))
         self._last_step = step
         if self.cuda is not None:
             self.cuda.mark_snapshot(step)  # the point on the stream it must see
@@ -190,8 +201,10 @@ class _Core(_StepOps, _Lifecycle):
         if self._last_step == flight.step:
             self._last_step = previous
 
-    def snapshot(self, state: Any, step: int) -> SnapshotHandle:
-        prepared = self.prepare(state, step, stacklevel=4)
+    def snapshot(
+        self, state: Any, step: int, metrics: Mapping[str, float] | None = None
+    ) -> SnapshotHandle:
+        prepared = self.prepare(state, step, stacklevel=4, metrics=metrics)
         if isinstance(prepared, SnapshotHandle):
             return prepared
         return self.submit(prepared)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -89,12 +89,17 @@ class Checkpointer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def snapshot(self, state: Any, *, step: int) -> SnapshotHandle:
+    async def snapshot(
+        self, state: Any, *, step: int, metrics: Mapping[str, float] | None = None
+    ) -> SnapshotHandle:
         """Record a snapshot of ``state`` at ``step`` and return without copying the bytes
         of the lazily captured tensors.
 
         ``state`` is a mapping of tensors, Stateful objects (``model``, ``optimizer``) and
-        plain values. Costs O(number of tensors), plus a copy of each small tensor that no
+        plain values. ``metrics`` (finite numbers by name, ``{"val_loss": 2.1}``) are
+        kept in the manifest for retention by the best of them (``Retention(keep_best=
+        KeepBest("val_loss", 3))``) and shown by ``lazyckpt ls``. Costs O(number of
+        tensors), plus a copy of each small tensor that no
         guarded optimizer owns (see ``eager_bytes``). With ``on_failure="raise"``, raises
         the failure of an earlier snapshot that nobody has seen yet. It yields to the event
         loop, and under backpressure (``when_busy="wait"``) it waits here, cooperatively,
@@ -102,7 +107,7 @@ class Checkpointer:
         before it returns takes no snapshot.
         """
         previous = self._core._last_step
-        prepared = self._core.prepare(state, step)
+        prepared = self._core.prepare(state, step, metrics=metrics)
         if isinstance(prepared, SnapshotHandle):
             await asyncio.sleep(0)
             return prepared
@@ -291,10 +296,12 @@ class SyncCheckpointer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def snapshot(self, state: Any, *, step: int) -> SnapshotHandle:
+    def snapshot(
+        self, state: Any, *, step: int, metrics: Mapping[str, float] | None = None
+    ) -> SnapshotHandle:
         """See :meth:`Checkpointer.snapshot`; use ``handle.wait(stage)`` to block on it.
         Backpressure waits in the guard (or in the engine) instead."""
-        return self._core.snapshot(state, step)
+        return self._core.snapshot(state, step, metrics)
 
     def wait_captured(self) -> None:
         """See :meth:`Checkpointer.wait_captured`."""

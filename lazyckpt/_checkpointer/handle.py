@@ -7,7 +7,12 @@ import concurrent.futures
 
 from .._engine.flight import Flight, SnapshotStats
 from .._engine.scheduler import Engine
-from .._errors import ConfigurationError, LazyCkptError, SnapshotSkippedError
+from .._errors import (
+    ConfigurationError,
+    LazyCkptError,
+    SnapshotSkippedError,
+    TierSkippedError,
+)
 
 __all__ = ["SnapshotHandle"]
 
@@ -16,8 +21,9 @@ class SnapshotHandle:
     """One snapshot's progress, as awaitables per stage.
 
     ``await captured()``: every shard is in host memory; the tensors may change now.
-    ``await reached(tier)``: durable (committed) on that tier. ``await committed()``:
-    committed on the last tier. Each raises :class:`SnapshotFailedError` if the snapshot
+    ``await reached(tier)``: durable (committed) on that tier; :class:`TierSkippedError`
+    when that tier's cadence does not take the step. ``await committed()``: committed on
+    every tier that takes it (the whole chain, without cadences). Each raises :class:`SnapshotFailedError` if the snapshot
     failed at or before that stage. Cancelling one of them only stops the waiting; the
     snapshot goes on. The blocking :meth:`wait` serves synchronous code.
     """
@@ -45,7 +51,7 @@ class SnapshotHandle:
         f = self._flight
         if f is None:
             return "skipped"
-        last = f.reached[self._engine.stage_names[-1]]
+        last = f.committed
         if last.done():
             return "failed" if last.exception() else "committed"
         if f.captured.done():
@@ -58,7 +64,7 @@ class SnapshotHandle:
         if stage == "captured":
             return self._flight.captured
         if stage == "committed":
-            return self._flight.reached[self._engine.stage_names[-1]]
+            return self._flight.committed
         names = self._engine.tier_names
         if stage not in names:
             raise ConfigurationError(f"no tier named {stage!r}; tiers: {names}")
@@ -69,6 +75,8 @@ class SnapshotHandle:
         try:
             # shielded: cancelling this wait must not cancel the snapshot's shared future
             await asyncio.shield(asyncio.wrap_future(fut))
+        except TierSkippedError:
+            raise  # not a failure: the snapshot's failures stay unreported
         except LazyCkptError:
             assert self._flight is not None
             self._engine.mark_reported(self._flight)
@@ -79,11 +87,18 @@ class SnapshotHandle:
         await self._await("captured")
 
     async def reached(self, tier: str) -> None:
-        """Wait until the snapshot is committed on ``tier`` (a tier's name)."""
+        """Wait until the snapshot is committed on ``tier`` (a tier's name).
+
+        Raises:
+            TierSkippedError: the tier's cadence does not take this step (at once, or as
+                soon as the ranks agreed on it); nothing of it is written there.
+            SnapshotFailedError: the snapshot failed at or before that tier.
+        """
         await self._await(tier)
 
     async def committed(self) -> None:
-        """Wait until the snapshot is committed on the last tier of the chain."""
+        """Wait until the snapshot is committed on every tier that takes it (each tier
+        whose cadence picks its step; the whole chain when no tier has a cadence)."""
         await self._await("committed")
 
     def wait(self, stage: str = "committed", timeout: float | None = None) -> None:
@@ -91,6 +106,8 @@ class SnapshotHandle:
         fut = self._future(stage)
         try:
             fut.result(timeout)
+        except TierSkippedError:
+            raise
         except LazyCkptError:
             assert self._flight is not None
             self._engine.mark_reported(self._flight)

@@ -36,7 +36,12 @@ import torch
 
 from .._distributed.preemption import DrainReport, PreemptionHandler
 from .._engine.scheduler import Engine
-from .._errors import ConfigurationError, LazyCkptError, SnapshotFailedError
+from .._errors import (
+    ConfigurationError,
+    LazyCkptError,
+    SnapshotFailedError,
+    TierSkippedError,
+)
 from .._options import CheckpointerOptions
 from .._restore.lazy import LazyRestores
 
@@ -79,23 +84,43 @@ class _Lifecycle:
         t0 = time.perf_counter()
         watched = dict(engine.flights)
         timed_out = False
-        try:
+        copies: dict[int, tuple[str, ...]] = {}
+
+        async def drain_and_copy() -> None:
             # the engine moves every shard down the chain in order, so waiting is all a
-            # drain does: the fastest durable tier has each shard first
-            await asyncio.wait_for(engine.drain(), timeout)
+            # drain does: the fastest durable tier has each shard first; then the newest
+            # snapshot goes to the tiers whose cadence skipped it (emergency_tiers)
+            await engine.drain()
+            copies.update(await engine.emergency_copies())
+
+        try:
+            await asyncio.wait_for(drain_and_copy(), timeout)
         except TimeoutError:
             timed_out = True
-        watched.update(engine.flights)  # submitted meanwhile (from another thread)
+        # submitted meanwhile (from another thread); an emergency copy is reported apart
+        watched.update({s: f for s, f in engine.flights.items() if not f.emergency})
         names = engine.tier_names
         reached: dict[int, tuple[str, ...]] = {}
         failed: dict[int, tuple[str, ...]] = {}
         pending: dict[int, tuple[str, ...]] = {}
+        skipped: dict[int, tuple[str, ...]] = {}
         for step, flight in sorted(watched.items()):
             futures = [(n, flight.reached[n]) for n in names]
             got = tuple(n for n, f in futures if f.done() and f.exception() is None)
-            bad = tuple(n for n, f in futures if f.done() and f.exception() is not None)
+            bad = tuple(
+                n
+                for n, f in futures
+                if f.done()
+                and f.exception() is not None
+                and not isinstance(f.exception(), TierSkippedError)
+            )
+            passed = tuple(
+                n for n, f in futures if f.done() and isinstance(f.exception(), TierSkippedError)
+            )
             left = tuple(n for n, f in futures if not f.done())
             reached[step] = got
+            if passed:
+                skipped[step] = passed
             if bad:
                 failed[step] = bad
                 engine.mark_reported(flight)
@@ -118,6 +143,8 @@ class _Lifecycle:
             failed=failed,
             pending=pending,
             durable=durable,
+            skipped=skipped,
+            emergency=copies,
             timed_out=timed_out,
             seconds=time.perf_counter() - t0,
         )

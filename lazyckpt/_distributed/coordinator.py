@@ -64,29 +64,36 @@ def distributed_context(requested: bool | None) -> tuple[int, int] | None:
 class Coordinator:
     """The collectives of one Checkpointer: one gloo group per durable tier, a control
     group for ``steps()``/``restore()`` agreement, and one for the shards a restore sends
-    between ranks. Must be created on every rank, in the
+    between ranks; with ``schedule``, one more (channel :attr:`schedule`) on which the ranks
+    agree, in snapshot order, which tiers a snapshot goes to when a cadence is by time, and
+    which step an emergency copy is of. Must be created on every rank, in the
     same order relative to other ``new_group`` calls (it is, inside ``Checkpointer.open``)."""
 
-    def __init__(self, rank: int, world_size: int, stages: int, timeout: float) -> None:
+    def __init__(
+        self, rank: int, world_size: int, stages: int, timeout: float, *, schedule: bool = False
+    ) -> None:
         import torch.distributed as dist
 
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
         span = timedelta(seconds=timeout)
+        channels = stages + 1 + (1 if schedule else 0)
+        #: the channel of the cadence and emergency agreements (None: not created)
+        self.schedule: int | None = stages + 1 if schedule else None
         self._groups: list[Any] = [
-            dist.new_group(backend="gloo", timeout=span) for _ in range(stages + 1)
+            dist.new_group(backend="gloo", timeout=span) for _ in range(channels)
         ]
         self._threads = [
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"lazyckpt-coord-{i}")
-            for i in range(stages + 1)
+            for i in range(channels)
         ]
         # restores that read a shard once and send it to the other ranks needing it
         self._transfers: Any = dist.new_group(backend="gloo", timeout=span)
         self.sent_bytes = 0
         self.received_bytes = 0
-        self._broken: list[BaseException | None] = [None] * (stages + 1)
-        self._busy = [0] * (stages + 1)  # collectives submitted and not yet returned
+        self._broken: list[BaseException | None] = [None] * channels
+        self._busy = [0] * channels  # collectives submitted and not yet returned
         self.collectives = 0
 
     def _done(self, channel: int) -> None:
@@ -154,6 +161,11 @@ class Coordinator:
         if not failed:
             return [True] * self.world_size
         return [bool(v) for v in await self.gather(channel, ok)]
+
+    async def maximum(self, channel: int, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's ``values`` (one ``all_reduce``; every
+        rank passes as many)."""
+        return await self._collective(channel, self._max, values)
 
     async def barrier(self) -> None:
         await self.gather(0, None)

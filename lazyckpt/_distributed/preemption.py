@@ -41,6 +41,10 @@ class DrainReport:
         pending: step -> the tiers it had not reached when the timeout ran out.
         durable: durable tier name -> the newest step this Checkpointer committed there
             (``None``: none yet), counting earlier snapshots too.
+        skipped: step -> the tiers whose cadence did not take it (not a failure).
+        emergency: step -> the tiers an emergency copy of it was committed on (the
+            newest snapshot, written to the tiers whose cadence skipped it; see
+            ``emergency_tiers``).
         timed_out: the timeout ran out before every snapshot was done.
         seconds: how long the drain took.
     """
@@ -49,6 +53,8 @@ class DrainReport:
     failed: dict[int, tuple[str, ...]] = field(default_factory=dict)
     pending: dict[int, tuple[str, ...]] = field(default_factory=dict)
     durable: dict[str, int | None] = field(default_factory=dict)
+    skipped: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    emergency: dict[int, tuple[str, ...]] = field(default_factory=dict)
     timed_out: bool = False
     seconds: float = 0.0
 
@@ -64,6 +70,8 @@ class DrainReport:
             for tier, step in self.durable.items()
         ]
         text = "newest durable step per tier: " + (", ".join(parts) or "no durable tier")
+        if self.emergency:
+            text += f"; emergency copy of {_steps(self.emergency)}"
         if self.pending:
             text += f"; not reached in time: {_steps(self.pending)}"
         if self.failed:

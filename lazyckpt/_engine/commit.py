@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, TypeVar
 from .. import hooks
 from .._distributed.coordinator import Coordinator
 from .._errors import ConfigurationError, LazyCkptError, TierBrokenError
+from .._format.manifest import Manifest
 from .._options import CheckpointerOptions
-from .._tiering.interface import SupportsGlobalCommit, SupportsReferences, Tier
+from .._tiering.interface import StepInfo, SupportsGlobalCommit, SupportsReferences, Tier
+from .cadence import Cadences
 from .flight import Flight
 from .incremental import Increments
 
@@ -36,6 +38,7 @@ class _Commits:
     durable: list[Tier]
     host: Tier | None
     host_last: bool
+    cadences: Cadences
     increments: Increments
     stage_names: list[str]
     flights: dict[int, Flight]
@@ -48,6 +51,7 @@ class _Commits:
     _queues: list[asyncio.Queue[Flight]]
     _retention_locks: dict[int, asyncio.Lock]
     _retention_queued: dict[int, bool]
+    _infos: dict[int, dict[int, StepInfo]]
 
     if TYPE_CHECKING:  # defined by Engine and its other parts
 
@@ -75,14 +79,23 @@ class _Commits:
             manifest = manifest.with_digests(flight.digests)
             if stage > 0:
                 manifest = manifest.with_references(flight.stored_in[stage])
-        manifest = replace(manifest, extra={**manifest.extra, "tier": tier.describe()})
+        extra = {**manifest.extra, "tier": tier.describe()}
+        retention = tier.retention.describe()
+        if retention:  # what `lazyckpt ls` explains each step's keeping by
+            extra["retention"] = retention
+        cadence = self.cadences.by_stage.get(stage)
+        if cadence is not None:
+            extra["cadence"] = cadence.describe()
+        if flight.emergency:
+            extra["emergency"] = True
+        manifest = replace(manifest, extra=extra)
         flight.committed_as[stage] = manifest
         try:
             hooks.point("tier.commit.before")
             await self._guarded(stage, "commit", partial(tier.commit, manifest))
             hooks.point("tier.commit.after")
         except Exception as exc:
-            if stage == 0 and not self.host_last:  # a convenience copy: its loss fails nothing
+            if stage == 0 and not flight.kept_mode:  # a convenience copy: its loss fails nothing
                 log.info("host tier did not keep step %d: %s", flight.step, exc)
                 self._resolve(flight, 0)
                 return
@@ -91,12 +104,18 @@ class _Commits:
         if stage > 0 and self.coordinator is not None:
             flight.local_ok[stage] = True  # this rank's part; _coordinate decides the step
             return
+        self._note_info(stage, manifest)
         self.increments.new_base(flight, stage)
         self._resolve(flight, stage)
         self._retain(tier, stage)
 
+    def _note_info(self, stage: int, manifest: Manifest) -> None:
+        """Keep what retention judges a step by, for a step this engine committed."""
+        if stage > 0:
+            self._infos.setdefault(stage, {})[manifest.step] = StepInfo.from_manifest(manifest)
+
     def _retain(self, tier: Tier, stage: int) -> None:
-        if stage > 0 and (tier.retention.keep_last or tier.retention.keep_every):
+        if stage > 0 and tier.retention.describe():  # {}: it keeps everything
             if self._retention_queued[stage]:
                 return  # a pass that has not listed the steps yet will see this commit too
             self._retention_queued[stage] = True
@@ -127,6 +146,8 @@ class _Commits:
             flight = await self._queues[stage].get()
             try:
                 await flight.settled.wait()
+                if flight.takes is None or stage not in flight.takes:
+                    continue  # every rank skips it on this tier (the cadences agree)
                 ok = flight.local_ok[stage] and not self._failed_at(flight, stage)
                 oks = await self.coordinator.agree(stage, flight.step, ok)
                 wrote = False
@@ -148,6 +169,9 @@ class _Commits:
                         await self._uncommit(tier, stage, flight.step)
                     raise
                 if all(done):
+                    committed = flight.committed_as[stage]
+                    if committed is not None:
+                        self._note_info(stage, committed)
                     self.increments.new_base(flight, stage)
                     self._resolve(flight, stage)
                     self._retain(tier, stage)
@@ -183,11 +207,13 @@ class _Commits:
     def _resolve(self, flight: Flight, stage: int) -> None:
         name = self.stage_names[stage]
         flight.stats.reached_s[name] = time.perf_counter() - flight.t_submit
-        if stage == len(self.stage_names) - 1:  # before anyone waiting on it wakes up
+        if stage == flight.last_stage:  # before anyone waiting on it wakes up
             self._record(flight)
         fut = flight.reached[name]
         if not fut.done():
             fut.set_result(None)
+        if stage == flight.last_stage and not flight.committed.done():
+            flight.committed.set_result(None)
         log.debug("step %d reached %s", flight.step, name, extra={"step": flight.step, "tier": name})
 
     async def _apply_retention(self, tier: Tier, stage: int) -> None:
@@ -198,8 +224,9 @@ class _Commits:
             async with self._retention_locks[stage]:
                 self._retention_queued[stage] = False  # commits from now on need a new pass
                 committed = await self._guarded(stage, "list", tier.steps)
+                info = await self._step_info(tier, stage, committed)
                 deleted = False
-                for step in tier.retention.to_delete(committed):
+                for step in tier.retention.to_delete(committed, info):
                     # a step that flights in flight compare with stays until they are done
                     if step in self.protected or step in self.flights or step in self.increments.pins[stage]:
                         continue
@@ -213,6 +240,29 @@ class _Commits:
             err = exc if isinstance(exc, LazyCkptError) else TierBrokenError(str(exc), tier=tier.name)
             with self._lock:
                 self._unreported.append(err)
+
+    async def _step_info(
+        self, tier: Tier, stage: int, committed: list[int]
+    ) -> dict[int, StepInfo] | None:
+        """What a retention by metric or by age judges each committed step by (None where
+        the tier's retention needs none): from the manifests this engine committed there,
+        or read once from the tier for steps committed before it opened (a step whose
+        manifest cannot be read is left out: retention keeps what it cannot judge)."""
+        if not tier.retention.needs_info():
+            return None
+        known = self._infos.setdefault(stage, {})
+        for step in committed:
+            if step in known:
+                continue
+            try:
+                manifest = await self._guarded(stage, f"read manifest {step}", partial(tier.read_manifest, step))
+            except LazyCkptError as exc:
+                log.info("retention on %s: step %d not judged: %s", tier.name, step, exc)
+                continue
+            known[step] = StepInfo.from_manifest(manifest)
+        for step in set(known) - set(committed):  # deleted meanwhile
+            del known[step]
+        return dict(known)
 
     async def delete_on_tier(self, tier: Tier, stage: int, step: int) -> None:
         """Delete ``step`` on one tier for ``Checkpointer.delete`` (engine loop): under the

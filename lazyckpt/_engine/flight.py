@@ -15,7 +15,7 @@ from .._format.manifest import Manifest
 from .._format.walk import TensorRef
 from .._tiering.arena import Block
 from .._tiering.interface import Tier
-from .._tiering.states import ShardState
+from .._tiering.states import ShardState, StateTable
 
 __all__ = ["Flight", "SnapshotStats", "Stage"]
 
@@ -106,7 +106,43 @@ class Flight:
         self.local_ok = [False] * len(tier_names)
         self.settled = asyncio.Event()
         self.coordinated = [asyncio.Event() for _ in tier_names]
+        # the durable stages that take this snapshot (Checkpointer(cadence=...)): decided at
+        # snapshot() from the step, or on the engine loop where ranks agree on a time-based
+        # cadence (``proposal``: this rank's view of which cadenced tiers are due, at
+        # ``t_taken``); the flight's state table, built for exactly those stages; whether
+        # the host tier is its only home (no durable stage takes it); whether it is an
+        # emergency copy of a committed step (read back, not captured)
+        self.takes: frozenset[int] | None = None
+        self.stages: tuple[int, ...] = ()
+        self.proposal: dict[int, bool] = {}
+        self.t_taken = time.monotonic()
+        self._table: StateTable | None = None
+        self.kept_mode = False
+        self.emergency = False
+        # committed on every stage that takes it (the last of them resolves it)
+        self.committed: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     @property
     def step(self) -> int:
         return self.manifest.step
+
+    @property
+    def last_stage(self) -> int:
+        """The last stage that takes this snapshot (0: none of the durable ones)."""
+        return self.stages[-1] if self.stages else 0
+
+    def decide(self, takes: frozenset[int], table: StateTable, *, host: bool) -> None:
+        """Fix the durable stages that take this snapshot and its state table; ``host``:
+        the chain starts with a host tier (then a snapshot no durable stage takes lives
+        in the host tier alone)."""
+        self.takes = takes
+        self.stages = tuple(sorted(takes))
+        self._table = table
+        self.kept_mode = host and not takes
+
+    @property
+    def table(self) -> StateTable:
+        """The state table of the stages this snapshot goes to (once decided)."""
+        if self._table is None:
+            raise AssertionError(f"step {self.step}: its stages are not decided yet")
+        return self._table

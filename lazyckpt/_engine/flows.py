@@ -183,7 +183,7 @@ class _Flows:
                 tg.create_task(self._shard_flow(flight, i, flight.manifest.shards[i], block))
 
     def _captured(self, flight: Flight, i: int) -> None:
-        flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+        flight.states[i] = advance(flight.table, flight.states[i], Event.CAPTURE_DONE)
         hooks.point("capture.done")
         flight.captured_count += 1
         if flight.captured_count == len(flight.manifest.shards):
@@ -195,7 +195,7 @@ class _Flows:
         self._fail(flight, 0, exc)
         for i, block in batch:
             self.arena.release(block)
-            flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
+            flight.states[i] = advance(flight.table, flight.states[i], Event.FAIL)
 
     async def _shard_flow(self, flight: Flight, i: int, shard: ShardMeta, block: Block) -> None:
         t0 = time.perf_counter()
@@ -262,23 +262,23 @@ class _Flows:
         try:
             sums = await sums_of
             if sums is None:
-                flight.states[i] = advance(self.table, flight.states[i], Event.FAIL)
+                flight.states[i] = advance(flight.table, flight.states[i], Event.FAIL)
                 return
             crc, flight.digests[i] = sums
             flight.crcs[i] = crc
-            if self.increments.digesting:
+            if self.increments.digesting and not flight.emergency:
                 self.increments.record_capture(flight, i)
-            flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
+            flight.states[i] = advance(flight.table, flight.states[i], Event.CHECKSUM_DONE)
             hooks.point("checksum.done")
             shard = replace(shard, crc32c=crc)
             self._count(0, shard.length, time.perf_counter() - t0)
-            if self.staging is not None:
+            if self.staging is not None and not flight.emergency:
                 self.staging.adopt(m, shard, block)
                 adopted = block if self.host is not None else None
             flight.checksummed_count += 1
             if flight.checksummed_count == len(m.shards):
                 await self._on_all_checksummed(flight)
-            for k in self._durable_stages():
+            for pos, k in enumerate(flight.stages):
                 tier = self.tier_of(k)
                 if not await flight.begun[k] or self._failed_at(flight, k):
                     break
@@ -301,7 +301,8 @@ class _Flows:
                             if not holding:
                                 holding = self.arena.claim(block)
                                 if not holding:  # evicted: read it back from the previous tier
-                                    previous = k - 1  # the stage before: it holds the shard
+                                    # the stage before that took the step holds it
+                                    previous = flight.stages[pos - 1]
                                     block = await self._refetch(
                                         flight,
                                         replace(shard, stored_in=flight.stored_in[previous].get(i)),
@@ -318,8 +319,8 @@ class _Flows:
                 except Exception as exc:
                     self._fail(flight, k, exc)
                     break
-                flight.states[i] = advance(self.table, flight.states[i], Event.PERSISTED)
-                if k == 1:
+                flight.states[i] = advance(flight.table, flight.states[i], Event.PERSISTED)
+                if pos == 0:
                     # durable now: the arena may reclaim it (the host tier keeps it meanwhile)
                     self.arena.mark_evictable(block, self._host_evicted if adopted else None)
                 if holding:
@@ -331,7 +332,7 @@ class _Flows:
         finally:
             if group is not None:  # the batch's call must not wait for this flow
                 group.leave(i)
-            if holding and adopted is not None and self.host_last:
+            if holding and adopted is not None and flight.kept_mode:
                 flight.kept.append(block)  # held until the host tier commits the snapshot
             elif holding:
                 self._release(block, adopted)
@@ -343,7 +344,7 @@ class _Flows:
     ) -> _PutGroup | None:
         """A :class:`_PutGroup` for a batch whose first durable tier takes batches; None
         where it does not (or the batch is one shard): then each shard puts on its own."""
-        stages = self._durable_stages()
+        stages = flight.stages
         if len(batch) < 2 or not stages or not puts_batches(self.tier_of(stages[0])):
             return None
         k = stages[0]
@@ -409,19 +410,19 @@ class _Flows:
         """A shard not captured (see :meth:`Increments.plan_uncaptured`): every durable tier refers
         to the bytes its base holds; nothing is copied, checksummed or written."""
         m = flight.manifest
-        flight.states[i] = advance(self.table, flight.states[i], Event.CAPTURE_DONE)
+        flight.states[i] = advance(flight.table, flight.states[i], Event.CAPTURE_DONE)
         flight.captured_count += 1
         if flight.captured_count == len(m.shards):
             self._on_all_captured(flight)
-        flight.states[i] = advance(self.table, flight.states[i], Event.CHECKSUM_DONE)
+        flight.states[i] = advance(flight.table, flight.states[i], Event.CHECKSUM_DONE)
         flight.checksummed_count += 1
         if flight.checksummed_count == len(m.shards):
             await self._on_all_checksummed(flight)
-        for k in self._durable_stages():
+        for k in flight.stages:
             if not await flight.begun[k] or self._failed_at(flight, k):
                 break
             self.tier_reused[self.stage_names[k]] += m.shards[i].length
-            flight.states[i] = advance(self.table, flight.states[i], Event.PERSISTED)
+            flight.states[i] = advance(flight.table, flight.states[i], Event.PERSISTED)
             flight.persisted[k] += 1
             if flight.persisted[k] == len(m.shards):
                 await self._commit(flight, k)
@@ -475,7 +476,7 @@ class _Flows:
         """Every shard is on the host with its checksum: the host stage is reached."""
         if self._failed_at(flight, 0):
             return
-        if self.host is not None:
+        if self.host is not None and not flight.emergency:
             await self._commit(flight, 0)
-        else:
+        else:  # an emergency copy was read back from a tier: the host tier has its own
             self._resolve(flight, 0)

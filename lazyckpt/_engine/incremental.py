@@ -38,13 +38,11 @@ class Increments:
         mode: the ``incremental`` option (False, True or ``"versions"``).
         stages: the engine's stages; the durable ones that can refer to stored data
             (:class:`SupportsReferences`) are compared with their bases.
-        host_only: the chain is a host tier alone (nothing is skipped there).
     """
 
-    def __init__(self, mode: Any, stages: Sequence[Stage], *, host_only: bool) -> None:
+    def __init__(self, mode: Any, stages: Sequence[Stage]) -> None:
         self.mode = mode
         self.stages = list(stages)
-        self.host_only = host_only
         # digests are computed only where a tier can refer to stored data
         self.digesting = bool(mode) and any(
             isinstance(stage.tier, SupportsReferences) for stage in self.stages[1:]
@@ -64,7 +62,7 @@ class Increments:
         """Pin, per durable tier, the committed manifest this flight is compared with."""
         m = flight.manifest
         flight.manifest = replace(m, extra={**m.extra, "incremental": True})
-        for k in range(1, len(self.stages)):
+        for k in flight.stages:  # the tiers that take it (Checkpointer(cadence=...))
             self.take_base(flight, k)
 
     def take_base(self, flight: Flight, stage: int) -> None:
@@ -177,7 +175,9 @@ class Increments:
         capture, and every durable tier's base holds that capture's bytes (see
         docs/guarantees.md for when a version counter misses a write)."""
         m = flight.manifest
-        if self.host_only or len(self.stages) < 2 or any(b is None for b in flight.bases[1:]):
+        stages = flight.stages
+        # a snapshot that only the host tier keeps (none else takes it) is captured whole
+        if flight.kept_mode or not stages or any(flight.bases[k] is None for k in stages):
             return
         for i, shard in enumerate(m.shards):
             last = self.last_captures.get(i)
@@ -191,7 +191,7 @@ class Increments:
             ):
                 continue
             flight.crcs[i], flight.digests[i] = last.crc, last.digest
-            if all(self.reuse(flight, k, i) for k in range(1, len(self.stages))):
+            if all(self.reuse(flight, k, i) for k in stages):
                 flight.uncaptured.add(i)
                 self.uncaptured_bytes += shard.length
             else:

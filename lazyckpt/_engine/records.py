@@ -6,6 +6,7 @@ history of finished snapshots, and the metrics (:class:`_Records`, a part of
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import threading
@@ -24,6 +25,11 @@ __all__ = ["_Records"]
 
 log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
+_FINISHED_KEPT = 8  # finished flights remembered for an emergency copy
+
+
+def _step(flight: Flight) -> int:
+    return flight.step
 
 
 class _Records:
@@ -37,6 +43,7 @@ class _Records:
     increments: Increments
     stage_names: list[str]
     flights: dict[int, Flight]
+    finished: list[Flight]  # in step order
     coordinator: Coordinator | None
     history: list[SnapshotStats]
     tier_bytes: dict[str, int]
@@ -74,22 +81,31 @@ class _Records:
                 for event in flight.coordinated[1:]:
                     await event.wait()
             if flight.failed_from is not None:
-                stages = range(max(1, flight.failed_from), len(self.stage_names))
+                stages = [k for k in flight.stages if k >= flight.failed_from]
                 for k in stages:
                     with contextlib.suppress(Exception):
                         await asyncio.shield(
                             self._guarded(k, "abort", partial(self.tier_of(k).abort, flight.step))
                         )
-                if flight.failed_from == 0 and self.staging is not None:
+                if flight.failed_from == 0 and self.staging is not None and not flight.emergency:
                     self.staging.forget(flight.step)
-                if flight.failed_from >= 1 and self.host is not None and not self.host_last:
+                if (
+                    flight.failed_from >= 1
+                    and self.host is not None
+                    and not flight.kept_mode
+                    and not flight.emergency  # the host tier's copy is the original's
+                ):
                     # the host tier's copy is a convenience: a snapshot that failed on a
                     # durable tier must not be listed (or restored) through it
                     with contextlib.suppress(Exception):
                         await asyncio.shield(
                             self._guarded(0, "drop failed", partial(self.host.delete, flight.step))
                         )
-                failed = [self.stage_names[k] for k in range(flight.failed_from, len(self.stage_names))]
+                failed = [
+                    self.stage_names[k]
+                    for k in (0, *flight.stages)
+                    if k >= flight.failed_from
+                ]
                 error = SnapshotFailedError(
                     f"snapshot of step {flight.step} failed on {failed}: "
                     + "; ".join(str(e) for e in flight.errors[:3]),
@@ -115,6 +131,10 @@ class _Records:
             self.increments.unpin(flight)
             self._settle_kept(flight)
             self.flights.pop(flight.step, None)
+            if not flight.emergency:  # what an emergency copy may start from
+                flight.holds, flight.refs = [], ()
+                bisect.insort(self.finished, flight, key=_step)  # they finish in any order
+                del self.finished[:-_FINISHED_KEPT]
             self._record(flight)
             flight.done.set()
 
@@ -123,7 +143,7 @@ class _Records:
         evictable once it is committed, in step order, so that the arena, which evicts
         the blocks made evictable first, always evicts the oldest committed snapshot
         first (snapshots may commit out of order)."""
-        if not self.host_last:
+        if not flight.kept_mode:
             return
         flight.finished = True
         if flight.failed_from is not None:
@@ -156,6 +176,8 @@ class _Records:
             fut = flight.reached[name]
             if k >= stage and not fut.done():
                 fut.set_exception(error)
+        if not flight.committed.done():
+            flight.committed.set_exception(error)
         flight.done.set()
 
     # -- metrics ---------------------------------------------------------------------------

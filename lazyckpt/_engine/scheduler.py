@@ -34,6 +34,7 @@ whose tensors did not change since its last capture skips its capture too.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import contextlib
 import logging
@@ -51,23 +52,27 @@ from .._distributed.placement import join_peers
 from .._errors import (
     CheckpointerClosedError,
     ConfigurationError,
+    CoordinationError,
     LazyCkptError,
     SnapshotFailedError,
     TierFullError,
+    TierSkippedError,
 )
 from .._format.manifest import LayoutOptions, Manifest
 from .._options import CheckpointerOptions
 from .._tiering.arena import Block, HostArena
 from .._tiering.calls import call_tier
-from .._tiering.interface import SupportsStaging, Tier
+from .._tiering.interface import StepInfo, SupportsStaging, Tier
 from .._tiering.states import StateTable, build_table
+from .cadence import Cadences
 from .commit import _Commits
+from .emergency import _Emergency
 from .flight import Flight, SnapshotStats, Stage
 from .flows import _BATCH_BYTES as _BATCH_BYTES
 from .flows import _Flows
 from .incremental import Increments
 from .loop import EngineLoop
-from .records import _Records
+from .records import _Records, _step
 
 __all__ = ["Engine"]
 
@@ -75,7 +80,7 @@ log = logging.getLogger("lazyckpt")
 T = TypeVar("T")
 
 
-class Engine(_Flows, _Commits, _Records):
+class Engine(_Flows, _Commits, _Records, _Emergency):
     """See the module docstring. Built by the Checkpointer; not public. Its parts: the
     shard flows (``_engine.flows``), commits, coordination and retention
     (``_engine.commit``), finishing and metrics (``_engine.records``)."""
@@ -112,6 +117,8 @@ class Engine(_Flows, _Commits, _Records):
         self.stages: list[Stage] = [Stage(0, self.host.name if self.host else "<staging>", self.host)]
         self.stages += [Stage(k, t.name, t) for k, t in enumerate(self.durable, 1)]
         self.stage_names: list[str] = [stage.name for stage in self.stages]
+        # which durable stages take each snapshot (Checkpointer(cadence=...))
+        self.cadences = Cadences(options, self.stages, host=self.host is not None)
         # the stages that are a tier of the chain (what a handle's reached() may name)
         self.tier_names: list[str] = [stage.name for stage in self.stages if stage.tier is not None]
         if self.staging is not None:
@@ -129,8 +136,11 @@ class Engine(_Flows, _Commits, _Records):
         self.capture: CaptureBackend = _default_capture(options)
         self.checksums = ChecksumPool(options.checksum_threads)
         # incremental snapshots: bases, pins and skipped captures (_incremental)
-        self.increments = Increments(options.incremental, self.stages, host_only=self.host_last)
+        self.increments = Increments(options.incremental, self.stages)
         self.flights: dict[int, Flight] = {}
+        # the last flights that finished, newest last: what an emergency copy starts from
+        self.finished: list[Flight] = []
+        self._copied: set[tuple[int, int]] = set()  # (step, stage) emergency copies made
         self.protected: dict[int, int] = {}  # step -> restores in progress
         self._lock = threading.Lock()
         self._arena_ready = asyncio.Lock()  # bound to the engine loop at its first use
@@ -143,6 +153,8 @@ class Engine(_Flows, _Commits, _Records):
         self._tier_sems: dict[int, asyncio.Semaphore] = {}
         self._retention_locks: dict[int, asyncio.Lock] = {}
         self._retention_queued: dict[int, bool] = {}
+        # per durable stage: what retention judges each committed step by (StepInfo)
+        self._infos: dict[int, dict[int, StepInfo]] = {}
         self._kept_order: asyncio.Lock | None = None
         self._kept_queue: list[Flight] = []  # host-only chain: started flights, step order
         self.closed = False
@@ -185,7 +197,16 @@ class Engine(_Flows, _Commits, _Records):
             # collectives (rank 0's commit_global on ZarrTier, say): wait that long for it
             timeout = self.options.retry_window()
             self.coordinator = await loop.run_in_executor(
-                None, Coordinator, self.rank, self.world_size, len(self.durable), timeout
+                None,
+                # the schedule's channel only where a cadence needs one
+                partial(
+                    Coordinator,
+                    self.rank,
+                    self.world_size,
+                    len(self.durable),
+                    timeout,
+                    **({"schedule": True} if self.cadences.any else {}),
+                ),
             )
         if self.host is not None:
             # the host tier's memory is a tier: it is there from the open on
@@ -238,6 +259,7 @@ class Engine(_Flows, _Commits, _Records):
         try:
             if self.opened:
                 await self.drain()
+                await self._final_copies()
         finally:
             if self._stop is not None:
                 self._stop.set()
@@ -258,6 +280,16 @@ class Engine(_Flows, _Commits, _Records):
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
                 raise errors[0]
+
+    async def _final_copies(self) -> None:
+        """At close: the emergency copies of the newest snapshot (the run's last state
+        would otherwise stay on the tiers a finished job loses with its node)."""
+        if not self.cadences.emergency:
+            return
+        try:
+            await self.emergency_copies()
+        except Exception as exc:  # the copy's own failure is recorded on its flight
+            log.warning("lazyckpt: the emergency copy at close failed: %s", exc)
 
     # -- errors (any thread) ---------------------------------------------------------------
 
@@ -333,12 +365,59 @@ class Engine(_Flows, _Commits, _Records):
         if self._tg is None or self.closed:
             self._finish_failed(flight, CheckpointerClosedError("the Checkpointer was closed"), 0)
             return
+        deciding = None
+        if flight.takes is None:  # the ranks agree on a cadence by time, in snapshot order
+            deciding = self._tg.create_task(self._agree_stages(flight))
         self.flights[flight.step] = flight
-        if self.host_last:
-            self._kept_queue.append(flight)
         for queue in self._queues[1:]:
             queue.put_nowait(flight)
-        self._tg.create_task(self._run_flight(flight), name=f"lazyckpt-step-{flight.step}")
+        self._tg.create_task(
+            self._run_flight(flight, deciding), name=f"lazyckpt-step-{flight.step}"
+        )
+
+    def plan_stages(self, flight: Flight) -> None:
+        """Decide which durable stages take a snapshot (``snapshot()``'s thread, before it
+        is submitted): from its step, or from this process's clock for a cadence by time.
+        Where the ranks must agree on that (several ranks, a cadence by time), only this
+        rank's proposal is recorded; :meth:`_agree_stages` decides on the engine loop."""
+        cadences = self.cadences
+        host = self.host is not None
+        if not cadences.any:
+            flight.decide(cadences.always, self.table, host=host)
+            return
+        due = cadences.propose(flight.step, flight.t_taken)
+        if cadences.timed and self.coordinator is not None:
+            flight.proposal = due
+            return
+        takes = cadences.takes(due)
+        flight.decide(takes, cadences.table(takes), host=host)
+
+    async def _agree_stages(self, flight: Flight) -> None:
+        """Agree with the other ranks which cadenced tiers take ``flight`` (any rank that
+        found one due makes every rank take it). One ``all_reduce`` on the schedule's own
+        channel, issued in snapshot order. On failure the snapshot fails before its capture
+        and goes nowhere."""
+        coordinator = self.coordinator
+        assert coordinator is not None and coordinator.schedule is not None
+        cadences = self.cadences
+        cadenced = sorted(cadences.by_stage)
+        flags = [1 if flight.proposal.get(k) else 0 for k in cadenced]
+        host = self.host is not None
+        try:
+            got = await coordinator.maximum(
+                coordinator.schedule, [flight.step, -flight.step, *flags]
+            )
+            if got[0] != -got[1]:
+                raise CoordinationError(
+                    f"ranks are snapshotting different steps (from {-got[1]} to {got[0]}): "
+                    "every rank must snapshot the same steps in the same order"
+                )
+            takes = cadences.agreed([bool(v) for v in got[2:]], flight.t_taken)
+        except Exception as exc:
+            flight.decide(frozenset(), cadences.table(frozenset()), host=False)
+            self._fail(flight, 0, exc)
+            return
+        flight.decide(takes, cadences.table(takes), host=host)
 
     # -- the flight ------------------------------------------------------------------------
 
@@ -385,24 +464,33 @@ class Engine(_Flows, _Commits, _Records):
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, self.arena.allocate_memory)
 
-    async def _run_flight(self, flight: Flight) -> None:
-        await self._ensure_arena()
-        if self.increments.digesting:
-            self.increments.choose_bases(flight)
-            self.increments.fingerprint(flight)
-            if self.increments.mode == "versions":
-                self.increments.plan_uncaptured(flight)
+    async def _run_flight(
+        self, flight: Flight, deciding: asyncio.Task[None] | None = None
+    ) -> None:
         m = flight.manifest
         try:
+            if deciding is not None:
+                await deciding
+            if flight.kept_mode:  # its blocks are given back in step order
+                bisect.insort(self._kept_queue, flight, key=_step)
+            self._skipped_stages(flight)
+            if self._failed_at(flight, 0):
+                return
+            await self._ensure_arena()
+            if self.increments.digesting:
+                self.increments.choose_bases(flight)
+                self.increments.fingerprint(flight)
+                if self.increments.mode == "versions":
+                    self.increments.plan_uncaptured(flight)
             async with asyncio.TaskGroup() as tg:
                 # each durable tier prepares the step beside the capture, never in front of
                 # it: the guard waits for captures only, so a tier whose begin() is slow or
                 # hangs must not hold training up; a shard waits for it before its put
                 flight.begun = {
                     k: tg.create_task(self._begin(flight, k, self.tier_of(k)), name=f"lazyckpt-begin-{k}")
-                    for k in self._durable_stages()
+                    for k in flight.stages
                 }
-                if self.host_last:
+                if flight.kept_mode:
                     await self._run_kept(flight, tg)
                 else:
                     await self._run_streamed(flight, tg)
@@ -412,6 +500,24 @@ class Engine(_Flows, _Commits, _Records):
             self._fail(flight, 0, exc)
         finally:
             await self._finish(flight)
+
+    def _skipped_stages(self, flight: Flight) -> None:
+        """The awaitables of the tiers whose cadence skips ``flight`` raise
+        :class:`TierSkippedError` from now on (they would otherwise never resolve)."""
+        for k in self._durable_stages():
+            if flight.takes is not None and k in flight.takes:
+                continue
+            name = self.stage_names[k]
+            fut = flight.reached[name]
+            if not fut.done():
+                fut.set_exception(
+                    TierSkippedError(
+                        f"step {flight.step} is not written to tier {name!r}: its cadence "
+                        f"({self.cadences.by_stage.get(k, 'none')}) skips it",
+                        step=flight.step,
+                        tier=name,
+                    )
+                )
 
     async def _run_streamed(self, flight: Flight, tg: asyncio.TaskGroup) -> None:
         """Start the shard flows of a snapshot that streams through the arena: each batch's
@@ -491,7 +597,7 @@ class Engine(_Flows, _Commits, _Records):
     async def _commit_empty(self, flight: Flight) -> None:
         self._on_all_captured(flight)
         await self._on_all_checksummed(flight)
-        for k in self._durable_stages():
+        for k in flight.stages:
             if await flight.begun[k]:
                 await self._commit(flight, k)
 

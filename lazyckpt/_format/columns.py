@@ -41,7 +41,7 @@ _LETTER_KINDS: dict[str, Literal["pack", "chunk"]] = {"p": "pack", "c": "chunk"}
 _COLUMN_FIELDS = {
     "Manifest": (
         "step", "tree", "tensors", "shards", "stream_bytes", "rank", "world_size", "created",
-        "pickled", "extra", "column_text",
+        "pickled", "extra", "metrics", "column_text",
     ),
     "TensorMeta": (
         "key", "dtype", "shape", "mode", "shards", "chunk", "offset", "alias_of",

@@ -39,8 +39,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -70,7 +71,14 @@ from .entries import (
 from .values import dtype_from_name, dtype_name
 from .walk import JSON, TensorRef
 
-__all__ = ["COMPACT_TENSORS", "FORMAT_VERSION", "LayoutOptions", "Manifest", "plan_layout"]
+__all__ = [
+    "COMPACT_TENSORS",
+    "FORMAT_VERSION",
+    "LayoutOptions",
+    "Manifest",
+    "check_metrics",
+    "plan_layout",
+]
 
 # The newest this lazyckpt reads: 2 added the distributed fields, 3 the value-tree tags of
 # trainer state (numpy arrays, generators, dataclasses), 4 the shards an incremental
@@ -129,6 +137,9 @@ class Manifest:
     created: float = field(default_factory=time.time)
     pickled: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # what the snapshot was passed in ``metrics=`` (finite floats by name), for retention's
+    # keep_best; written only when there are some, so other manifests stay as they were
+    metrics: dict[str, float] = field(default_factory=dict)
     # not part of the manifest: its plan's encoded column text, handed on by replace() to the
     # manifests made from this one (each text is checked against the tuple it encodes)
     column_text: ColumnText = field(
@@ -257,7 +268,7 @@ class Manifest:
     def _scalars(self) -> dict[str, Any]:
         """The fields other than the tensors, the shards and the tree, in the order both
         encodings write them."""
-        return {
+        scalars = {
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
@@ -266,6 +277,9 @@ class Manifest:
             "pickled": self.pickled,
             "extra": self.extra,
         }
+        if self.metrics:  # absent otherwise: manifests without metrics stay byte for byte
+            scalars["metrics"] = self.metrics
+        return scalars
 
     @classmethod
     def from_json(cls, data: bytes | str, *, source: str = "manifest") -> Manifest:
@@ -445,10 +459,49 @@ def _manifest_of(
         stream_bytes=_int(doc, "stream_bytes"),
         pickled=bool(doc["pickled"]),
         extra=dict(doc["extra"]),
+        metrics=_decode_metrics(doc.get("metrics", {})),
         tensors=tensors,
         shards=shards,
         tree=doc["tree"],
     )
+
+
+def check_metrics(metrics: Any) -> dict[str, float]:
+    """Metrics as a manifest keeps them: a dict of finite floats by non-empty string name
+    (ints and other real numbers are turned into floats; bools are refused).
+
+    Raises:
+        ConfigurationError: ``metrics`` is not a mapping of that kind, naming what is wrong.
+    """
+    if not isinstance(metrics, Mapping):
+        raise ConfigurationError(
+            f"metrics must be a mapping of names to numbers, got {metrics!r:.80}"
+        )
+    checked: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(
+                f"metrics: a name must be a non-empty string, got {name!r:.80}"
+            )
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ConfigurationError(f"metrics: {name!r} must be a number, got {value!r:.80}")
+        number = float(value)
+        if not math.isfinite(number):
+            raise ConfigurationError(f"metrics: {name!r} must be finite, got {number!r}")
+        checked[name] = number
+    return checked
+
+
+def _decode_metrics(value: Any) -> dict[str, float]:
+    """A manifest's ``metrics`` as read: finite floats by name, or :class:`CorruptionError`."""
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise CorruptionError(f"bad metrics {value!r:.80}")
+    try:
+        return check_metrics(value)
+    except ConfigurationError as exc:
+        raise CorruptionError(str(exc)) from None
 
 
 # Whether the column encoding spells out every field of the manifest's classes (see

@@ -17,11 +17,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import logging
+import math
 import re
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from .._errors import (
     ConfigurationError,
@@ -39,7 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "KeepBest",
     "Retention",
+    "StepInfo",
     "SupportsBatchPut",
     "SupportsBlockRead",
     "SupportsChecksummedRead",
@@ -60,41 +65,322 @@ ENTRY_POINT_GROUP = "lazyckpt.tiers"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
+_log = logging.getLogger("lazyckpt")
+_MODES = ("min", "max")
+# the policies a Retention combines, in the order describe() writes them
+_POLICIES = ("keep_last", "keep_every", "keep_best", "keep_within")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What retention may judge a committed step by, beside its number.
+
+    Attributes:
+        step: the step.
+        created: when the snapshot was taken, in Unix seconds (``Manifest.created``).
+        metrics: the metrics passed with the snapshot (``Manifest.metrics``); empty when
+            it had none.
+    """
+
+    step: int
+    created: float
+    metrics: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> StepInfo:
+        """The info of a committed step, from its manifest."""
+        return cls(manifest.step, manifest.created, dict(manifest.metrics))
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Keep the best ``n`` steps by ``metric``: the lowest values with ``mode="min"`` (a
+    loss), the highest with ``"max"`` (an accuracy). Ties go to the newer step.
+
+    Raises:
+        ConfigurationError: an empty metric name, an ``n`` that is not a positive integer,
+            or a mode other than ``"min"`` and ``"max"``.
+    """
+
+    metric: str
+    n: int
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigurationError(
+                f"keep_best: the metric must be a non-empty string, got {self.metric!r}"
+            )
+        if type(self.n) is not int or self.n < 1:
+            raise ConfigurationError(f"keep_best: n must be a positive integer, got {self.n!r}")
+        if self.mode not in _MODES:
+            raise ConfigurationError(
+                f"keep_best: mode must be 'min' or 'max', got {self.mode!r}"
+            )
+
+
 @dataclass(frozen=True)
 class Retention:
     """Which committed snapshots a tier keeps.
 
-    ``keep_last`` keeps the newest k; ``keep_every`` also keeps every step divisible by n.
-    ``None`` for both keeps everything. The newest committed snapshot is never deleted.
+    Each policy keeps some steps; a step is kept when any policy keeps it (the union), and
+    the others are deleted. No policy at all keeps everything. The newest committed step is
+    always kept.
+
+    - ``keep_last``: the newest k steps.
+    - ``keep_every``: every step divisible by n, forever.
+    - ``keep_best``: the best n steps by a metric passed with the snapshot
+      (:class:`KeepBest`; a tuple ``(metric, n)`` or ``(metric, n, mode)`` is accepted
+      too). Steps without that metric are kept only by the other policies; while *no* step
+      has it (a misspelt name, or no evaluation yet), it keeps every step, so that nothing
+      is deleted by surprise, and says so once in a warning.
+    - ``keep_within``: the steps created less than this many seconds before now.
+
+    ``keep_best`` and ``keep_within`` judge a step by its :class:`StepInfo`; with either set
+    (:meth:`needs_info`), a step whose info is missing is kept: retention never deletes
+    what it cannot judge.
+
+    Raises:
+        ConfigurationError: a policy given a value it cannot keep by (zero, negative, not a
+            whole number, a ``keep_within`` that is not a positive finite number of
+            seconds), naming the policy.
     """
 
     keep_last: int | None = None
     keep_every: int | None = None
+    keep_best: KeepBest | None = None
+    keep_within: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every"):
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ConfigurationError(f"{name} must be a positive integer or None, got {v!r}")
+        best: object = self.keep_best
+        if isinstance(best, tuple | list) and len(best) in (2, 3):
+            object.__setattr__(self, "keep_best", KeepBest(*best))
+        elif best is not None and not isinstance(best, KeepBest):
+            raise ConfigurationError(
+                "keep_best must be a lazyckpt.KeepBest, a tuple (metric, n) or "
+                f"(metric, n, mode), or None, got {best!r:.80}"
+            )
+        within: object = self.keep_within
+        if within is not None:
+            if (
+                not isinstance(within, int | float)
+                or isinstance(within, bool)
+                or not math.isfinite(within)
+                or within <= 0
+            ):
+                raise ConfigurationError(
+                    "keep_within must be a positive, finite number of seconds or None, "
+                    f"got {within!r:.80}"
+                )
+            object.__setattr__(self, "keep_within", float(within))
+        # the metrics a warning has been given about (once each); not a field
+        object.__setattr__(self, "_warned", set())
 
-    def to_delete(self, steps: Iterable[int]) -> list[int]:
-        """Steps to delete, given the committed ``steps``."""
-        ordered = sorted(steps)
-        if self.keep_last is None and self.keep_every is None:
-            return []
-        keep = set(ordered[-1:])
+    def needs_info(self) -> bool:
+        """Whether a policy judges steps by their :class:`StepInfo` (``keep_best``,
+        ``keep_within``): the caller must then pass ``info`` to :meth:`to_delete` and
+        :meth:`reasons`."""
+        return self.keep_best is not None or self.keep_within is not None
+
+    def to_delete(
+        self,
+        steps: Iterable[int],
+        info: Mapping[int, StepInfo] | None = None,
+        *,
+        now: float | None = None,
+    ) -> list[int]:
+        """Steps to delete, ascending, given the committed ``steps``.
+
+        Args:
+            steps: the committed steps (any order).
+            info: each step's :class:`StepInfo`; needed when :meth:`needs_info` (a step
+                missing from it is kept), ignored otherwise.
+            now: the time ``keep_within`` counts back from (default: ``time.time()``).
+
+        Raises:
+            ValueError: ``info`` is None and a policy needs it.
+        """
+        return [step for step, why in self.reasons(steps, info, now=now).items() if not why]
+
+    def reasons(
+        self,
+        steps: Iterable[int],
+        info: Mapping[int, StepInfo] | None = None,
+        *,
+        now: float | None = None,
+    ) -> dict[int, list[str]]:
+        """Every one of ``steps``, ascending, with the reasons it is kept (``"newest"``,
+        ``"last 3"``, ``"every 100th"``, ``"best 2 by val_loss (min): 2.1"``,
+        ``"within 1h"``, ``"no info"``, ``"no retention policy"``); an empty list means
+        :meth:`to_delete` deletes it. Arguments and errors as for :meth:`to_delete`."""
+        ordered = sorted(set(steps))
+        why: dict[int, list[str]] = {step: [] for step in ordered}
+        if not ordered:
+            return why
+        if not self.describe():
+            for step in ordered:
+                why[step].append("no retention policy")
+            return why
+        if info is None and self.needs_info():
+            raise ValueError(
+                "this retention keeps steps by keep_best or keep_within: pass each step's "
+                "StepInfo (Retention.needs_info() says when)"
+            )
+        why[ordered[-1]].append("newest")
         if self.keep_last is not None:
-            keep.update(ordered[-self.keep_last :])
+            for step in ordered[-self.keep_last :]:
+                why[step].append(f"last {self.keep_last}")
         if self.keep_every is not None:
-            keep.update(s for s in ordered if s % self.keep_every == 0)
-        return [s for s in ordered if s not in keep]
+            every = _every(self.keep_every)
+            for step in ordered:
+                if step % self.keep_every == 0:
+                    why[step].append(every)
+        fallback = None
+        if info is not None and self.needs_info():
+            if self.keep_best is not None:
+                fallback = self._keep_best(self.keep_best, ordered, info, why)
+            if self.keep_within is not None:
+                cutoff = (time.time() if now is None else now) - self.keep_within
+                within = f"within {_duration(self.keep_within)}"
+                for step in ordered:
+                    found = info.get(step)
+                    if found is not None and found.created >= cutoff:
+                        why[step].append(within)
+            for step in ordered:
+                if step not in info:
+                    why[step].append("no info")
+        if fallback is not None:
+            self._warn_no_metric([step for step in ordered if why[step] == [fallback]])
+        return why
+
+    def _keep_best(
+        self,
+        best: KeepBest,
+        ordered: list[int],
+        info: Mapping[int, StepInfo],
+        why: dict[int, list[str]],
+    ) -> str | None:
+        """Add ``keep_best``'s reasons to ``why``; the reason it gave every step when no
+        step has the metric, None otherwise."""
+        scored: list[tuple[float, int]] = []
+        for step in ordered:
+            found = info.get(step)
+            value = None if found is None else found.metrics.get(best.metric)
+            if (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ):
+                scored.append((float(value), step))
+        if not scored:
+            # no step has the metric: a misspelt name, or none evaluated yet. Keep every
+            # step rather than let the other policies delete what this one was meant to keep
+            reason = f"no step has {best.metric}"
+            for step in ordered:
+                why[step].append(reason)
+            return reason
+        sign = 1.0 if best.mode == "min" else -1.0
+        scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
+        for value, step in scored[: best.n]:
+            why[step].append(f"best {best.n} by {best.metric} ({best.mode}): {value:g}")
+        return None
+
+    def _warn_no_metric(self, spared: list[int]) -> None:
+        """Say, once per metric and instance, that ``keep_best`` kept ``spared`` (steps
+        no other policy keeps) because no step has its metric."""
+        assert self.keep_best is not None
+        metric = self.keep_best.metric
+        warned: set[str] = self.__dict__["_warned"]
+        if not spared or metric in warned:
+            return
+        warned.add(metric)
+        _log.warning(
+            "retention keep_best: no committed step has the metric %r, so no step is deleted "
+            "until one has it (kept: steps %s); check the name passed in "
+            "snapshot(..., metrics=)",
+            metric,
+            _steps_text(spared),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The policies set, as JSON-able values (what :meth:`from_description` reads);
+        ``{}`` when it keeps everything."""
+        doc: dict[str, Any] = {}
+        if self.keep_last is not None:
+            doc["keep_last"] = self.keep_last
+        if self.keep_every is not None:
+            doc["keep_every"] = self.keep_every
+        if self.keep_best is not None:
+            best = self.keep_best
+            doc["keep_best"] = {"metric": best.metric, "n": best.n, "mode": best.mode}
+        if self.keep_within is not None:
+            doc["keep_within"] = self.keep_within
+        return doc
+
+    @classmethod
+    def from_description(cls, doc: Mapping[str, Any]) -> Retention:
+        """The retention :meth:`describe` described.
+
+        Raises:
+            ConfigurationError: ``doc`` is not such a description (a policy this lazyckpt
+                does not know, or a bad value), naming what is wrong.
+        """
+        if not isinstance(doc, Mapping):
+            raise ConfigurationError(f"a retention description is a mapping, got {doc!r:.80}")
+        unknown = sorted(str(k) for k in doc if k not in _POLICIES)
+        if unknown:
+            raise ConfigurationError(f"retention description: unknown policies {unknown}")
+        best: Any = doc.get("keep_best")
+        if isinstance(best, Mapping):
+            odd = sorted(str(k) for k in best if k not in ("metric", "n", "mode"))
+            if odd or "metric" not in best or "n" not in best:
+                raise ConfigurationError(f"retention description: bad keep_best {best!r:.80}")
+            best = KeepBest(best["metric"], best["n"], best.get("mode", "min"))
+        elif isinstance(best, list):
+            best = tuple(best)  # normalised (or refused) by the constructor
+        return cls(
+            keep_last=doc.get("keep_last"),
+            keep_every=doc.get("keep_every"),
+            keep_best=best,
+            keep_within=doc.get("keep_within"),
+        )
+
+
+def _every(n: int) -> str:
+    """``keep_every``'s reason: ``"every 100th"``, ``"every 2nd"``, ``"every step"``."""
+    if n == 1:
+        return "every step"
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"every {n}{suffix}"
+
+
+def _duration(seconds: float) -> str:
+    """A duration the way ``--keep-within`` takes it: ``2d``, ``6h``, ``30m``, ``90s``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    """Steps for a message, the middle elided past a few."""
+    shown = [str(s) for s in steps]
+    if len(shown) > 6:
+        shown = [*shown[:3], "...", *shown[-2:]]
+    return ", ".join(shown)
 
 
 class Tier(abc.ABC):
     """Base class of every storage tier.
 
     A subclass sets ``level`` and implements the abstract coroutines. Constructors do no I/O;
-    :meth:`open` does (create directories, clean up what a crash left behind).
+    :meth:`open` does (create directories, clean up what a crash left behind). Retention is
+    given as ``keep_last``/``keep_every`` or as one :class:`Retention` (``retention=``, which
+    also holds ``keep_best`` and ``keep_within``), not both; it is :attr:`retention`.
 
     ``readonly`` (set by the constructor of a tier that offers it, or by whoever opens the
     tier for reading only, before :meth:`open`) asks for a tier that only reads: ``open``
@@ -140,13 +426,27 @@ class Tier(abc.ABC):
         name: str | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self.name = self.default_name if name is None else name
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ConfigurationError(
                 f"tier name must be 1-64 letters, digits, '_', '.' or '-', got {self.name!r}"
             )
-        self.retention = Retention(keep_last=keep_last, keep_every=keep_every)
+        if retention is None:
+            retention = Retention(keep_last=keep_last, keep_every=keep_every)
+        elif keep_last is not None or keep_every is not None:
+            raise ConfigurationError(
+                f"tier {self.name!r}: give either retention= or keep_last=/keep_every=, not "
+                "both (Retention(keep_last=..., keep_every=...) holds them all)"
+            )
+        elif not isinstance(retention, Retention):
+            raise ConfigurationError(
+                f"tier {self.name!r}: retention must be a lazyckpt.Retention, got "
+                f"{retention!r:.80}"
+            )
+        #: which committed steps this tier keeps (:class:`Retention`)
+        self.retention = retention
         self._rank = 0
         self._world_size = 1
         self.readonly = False

@@ -10,14 +10,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import CorruptionError, LazyCkptError, first_error
+from .._errors import (
+    ConfigurationError,
+    CorruptionError,
+    LazyCkptError,
+    SnapshotNotFoundError,
+    first_error,
+)
 from .._format.entries import TensorMeta
 from .._format.manifest import Manifest
 from .._format.values import decode_tree, has_tag
 from .._format.walk import JSON
 from .._progress import Progress, format_bytes
+from .._tiering.interface import Retention, StepInfo
 from ._console import Console, iso_time, local_time, table
-from ._location import opened, pick_steps
+from ._location import Location, opened, pick_steps
 from ._read import global_shape, layout_of, step_parts, tensor_bytes
 from ._status import EXIT_DAMAGE, EXIT_OK
 
@@ -37,6 +44,8 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
             for step in steps:
                 found.setdefault(step, []).append(i)
         entries: dict[int, dict[str, Any]] = {}
+        # the location and manifest each step's figures were read from
+        read_from: dict[int, tuple[int, Manifest]] = {}
         # one manifest read per step: on an object store with many snapshots that is the
         # long part, so a few run at once and the progress display counts them
         sem = asyncio.Semaphore(_MANIFEST_READS)
@@ -57,6 +66,7 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
                         problems.append(f"{labels[i]}: {exc}")
                         continue
                     m = parts[0]
+                    read_from[step] = (i, m)
                     entry.update(
                         bytes=tensor_bytes(parts),
                         stored_bytes=sum(p.stream_bytes for p in parts),
@@ -65,6 +75,7 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
                         world_size=m.world_size,
                         created=iso_time(m.created),
                         created_unix=m.created,
+                        metrics=dict(m.metrics),
                     )
                     break
             if problems:
@@ -79,6 +90,11 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
                         tg.create_task(describe(step, bar))
             except ExceptionGroup as group:
                 raise first_error(group) from None
+        info = {step: StepInfo.from_manifest(m) for step, (_, m) in read_from.items()}
+        for i, steps in enumerate(listings):
+            why = await _kept_because(i, locations[i], steps, read_from, info, ui)
+            for step, reasons in why.items():
+                entries[step].setdefault("kept_because", {})[labels[i]] = reasons
         # what an object store holds besides the steps: parts of unfinished multipart
         # uploads (other tools, earlier versions), invisible to listings yet billed
         for loc in locations:
@@ -98,29 +114,86 @@ async def ls_command(args: argparse.Namespace, ui: Console) -> int:
     elif not listing:
         ui.note(f"no committed snapshot in {', '.join(args.locations)}")
     else:
-        rows = [["STEP", "SIZE", "TENSORS", "RANKS", "CREATED", "TIERS"]]
+        # the metrics and the retention columns only where some step has something there
+        metrics = any(e.get("metrics") for e in listing)
+        kept = any("kept_because" in e for e in listing)
+        rows = [
+            ["STEP", "SIZE", "TENSORS", "RANKS", "CREATED"]
+            + ["METRICS"] * metrics
+            + ["TIERS"]
+            + ["KEPT BECAUSE"] * kept
+        ]
         for e in listing:
             if "bytes" in e:
-                rows.append(
-                    [
-                        str(e["step"]),
-                        format_bytes(e["bytes"]),
-                        str(e["tensors"]),
-                        str(e["world_size"]),
-                        local_time(e["created_unix"]),
-                        ", ".join(e["tiers"]),
-                    ]
-                )
+                row = [
+                    str(e["step"]),
+                    format_bytes(e["bytes"]),
+                    str(e["tensors"]),
+                    str(e["world_size"]),
+                    local_time(e["created_unix"]),
+                ] + [_metrics_text(e["metrics"])] * metrics
             else:
-                rows.append(
-                    [str(e["step"]), "?", "?", "?", "manifest damaged", ", ".join(e["tiers"])]
-                )
+                row = [str(e["step"]), "?", "?", "?", "manifest damaged"] + ["?"] * metrics
+            row.append(", ".join(e["tiers"]))
+            if kept:
+                row.append(_kept_text(e.get("kept_because", {})))
+            rows.append(row)
         for line in table(rows, right=(0, 1, 2, 3)):
             ui.out(line)
         for e in listing:
             for problem in e.get("problems", []):
                 ui.note(f"step {e['step']}: {problem}")
     return EXIT_DAMAGE if damaged else EXIT_OK
+
+
+async def _kept_because(
+    index: int,
+    location: Location,
+    steps: list[int],
+    read_from: dict[int, tuple[int, Manifest]],
+    info: dict[int, StepInfo],
+    ui: Console,
+) -> dict[int, list[str]]:
+    """Why the retention of ``location`` (the ``index``-th) keeps each of its ``steps``: the
+    policy its newest step's manifest recorded (``extra["retention"]``, what
+    :meth:`Retention.describe` gives), judged now over those steps; ``{}`` when there is
+    none, or it keeps everything."""
+    if not steps:
+        return {}
+    newest = max(steps)
+    where, manifest = read_from.get(newest, (None, None))
+    if where != index or manifest is None:
+        try:
+            manifest = await location.tier.read_manifest(newest)
+        except (CorruptionError, SnapshotNotFoundError):
+            return {}  # a damaged step is listed with its problem already
+    described = manifest.extra.get("retention")
+    if described is None or described == {}:
+        return {}  # none recorded, or a tier that keeps everything: nothing to explain
+    try:
+        retention = Retention.from_description(described)
+    except ConfigurationError as exc:
+        ui.note(
+            f"{location.spec}: step {newest} records a retention this lazyckpt does not "
+            f"read: {exc}"
+        )
+        return {}
+    return retention.reasons(steps, {s: info[s] for s in steps if s in info})
+
+
+def _metrics_text(metrics: dict[str, float]) -> str:
+    """A step's metrics for the table: ``val_loss=2.1, acc=0.93``, or ``-``."""
+    return ", ".join(f"{name}={value:g}" for name, value in metrics.items()) or "-"
+
+
+def _kept_text(kept: dict[str, list[str]]) -> str:
+    """Why a step is kept, for the table: the reasons (``last 3, every 100th``), per
+    location when several record a retention; ``-`` where none keeps it any more (the
+    next retention pass deletes it)."""
+    if len(kept) == 1:
+        (reasons,) = kept.values()
+        return ", ".join(reasons) or "-"
+    return "; ".join(f"{label}: {', '.join(why) or '-'}" for label, why in kept.items()) or "-"
 
 
 @dataclass

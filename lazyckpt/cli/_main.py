@@ -19,6 +19,7 @@ from .._errors import (
     SnapshotNotFoundError,
     TierError,
 )
+from .._tiering.interface import KeepBest
 from ._console import Console
 from ._copy import copy_command
 from ._export import export_command
@@ -56,6 +57,34 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
     return value
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _duration(text: str) -> float:
+    """Seconds, from ``90``, ``90s``, ``30m``, ``6h``, ``2d``, ``1w`` or ``1.5h``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30m, 6h, 2d or seconds)")
+    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be longer than 0 seconds: {text!r}")
+    return seconds
+
+
+def _keep_best(text: str) -> KeepBest:
+    """``METRIC:N`` or ``METRIC:N:min|max`` as a :class:`KeepBest` (the metric's name may
+    itself hold colons)."""
+    parts = text.split(":")
+    mode = parts.pop().lower() if len(parts) >= 3 and parts[-1].lower() in ("min", "max") else "min"
+    if len(parts) < 2 or not parts[-1].strip().isdigit():
+        raise argparse.ArgumentTypeError(f"not METRIC:N[:min|max]: {text!r} (try val_loss:3)")
+    n = int(parts.pop())
+    try:
+        return KeepBest(":".join(parts), n, "max" if mode == "max" else "min")
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _size(text: str) -> int:
@@ -273,12 +302,28 @@ def build_parser() -> argparse.ArgumentParser:
         "gc",
         gc_command,
         "delete old snapshots",
-        "Delete committed snapshots, keeping the newest K and, with --keep-every N, every "
-        "step divisible by N. The newest snapshot is always kept.",
+        "Delete the committed snapshots no retention policy keeps: a step is kept when one "
+        "of the policies given keeps it, and the newest snapshot is always kept. At least "
+        "one policy is needed.",
     )
     p.add_argument("location", metavar="LOCATION")
-    p.add_argument("--keep-last", type=_positive, required=True, metavar="K")
-    p.add_argument("--keep-every", type=_positive, metavar="N")
+    p.add_argument("--keep-last", type=_positive, metavar="K", help="keep the newest K steps")
+    p.add_argument(
+        "--keep-every", type=_positive, metavar="N", help="keep every step divisible by N"
+    )
+    p.add_argument(
+        "--keep-best",
+        type=_keep_best,
+        metavar="METRIC:N[:min|max]",
+        help="keep the N steps with the lowest (min, the default) or highest (max) METRIC "
+        "recorded with the snapshot; while no step has METRIC, keep every step",
+    )
+    p.add_argument(
+        "--keep-within",
+        type=_duration,
+        metavar="DURATION",
+        help="keep the steps created within DURATION of now (30m, 6h, 2d, or seconds)",
+    )
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
 
     p = command(

@@ -56,6 +56,7 @@ from lazyckpt.tier import (
     CorruptionError,
     LazyCkptError,
     Manifest,
+    Retention,
     ShardMeta,
     SnapshotNotFoundError,
     Tier,
@@ -100,6 +101,9 @@ class FileTier(Tier):
             Measured here, O_DIRECT cost about a fifth of the CPU time of buffered writes
             per GiB, which is what a training process shares its cores with.
         keep_last, keep_every: retention (see :class:`lazyckpt.Retention`).
+        retention: the whole retention policy as one :class:`lazyckpt.Retention` (which
+            also holds ``keep_best`` and ``keep_within``), instead of ``keep_last`` and
+            ``keep_every``.
         read_direct: read shards whose bytes are not in the page cache with ``O_DIRECT``
             (where the file system accepts it): the disk writes into the destination, the
             kernel neither fills nor copies cache pages. Measured on a 2-vCPU VM, a cold
@@ -129,8 +133,11 @@ class FileTier(Tier):
         keep_every: int | None = None,
         readonly: bool = False,
         read_direct: bool = True,
+        retention: Retention | None = None,
     ) -> None:
-        super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
+        super().__init__(
+            name=name, keep_last=keep_last, keep_every=keep_every, retention=retention
+        )
         self.readonly = readonly
         if not isinstance(root, str | os.PathLike) or not str(root):
             raise ConfigurationError(f"FileTier root must be a path, got {root!r}")

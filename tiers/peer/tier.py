@@ -70,6 +70,7 @@ from lazyckpt.tier import (
     CorruptionError,
     Exchange,
     Manifest,
+    Retention,
     ShardMeta,
     SnapshotNotFoundError,
     TierBrokenError,
@@ -116,6 +117,9 @@ class PeerTier(_ReplicaHolder):
             node vanished without closing its connections is waited for that long.
         name, keep_last, keep_every: as for every tier; retention deletes this rank's old
             steps on its holders.
+        retention: the whole retention policy as one :class:`lazyckpt.Retention` (which
+            also holds ``keep_best`` and ``keep_within``), instead of ``keep_last`` and
+            ``keep_every``.
     """
 
     level = TierLevel.PEER
@@ -134,8 +138,11 @@ class PeerTier(_ReplicaHolder):
         name: str | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        retention: Retention | None = None,
     ) -> None:
-        super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
+        super().__init__(
+            name=name, keep_last=keep_last, keep_every=keep_every, retention=retention
+        )
         if not isinstance(root, str | os.PathLike) or not str(root):
             raise ConfigurationError(f"PeerTier root must be a path, got {root!r}")
         if type(replicas) is not int or replicas < 1:

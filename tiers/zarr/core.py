@@ -25,6 +25,7 @@ from lazyckpt.tier import (
     ForeignLocationError,
     LazyCkptError,
     Manifest,
+    Retention,
     SnapshotNotFoundError,
     Tier,
     TierClosedError,
@@ -80,8 +81,11 @@ class ZarrCore(Tier):
         lease_seconds: float = 300.0,
         skip_signature: bool = False,
         require_conditional_writes: bool = True,
+        retention: Retention | None = None,
     ) -> None:
-        super().__init__(name=name, keep_last=keep_last, keep_every=keep_every)
+        super().__init__(
+            name=name, keep_last=keep_last, keep_every=keep_every, retention=retention
+        )
         self.readonly = readonly
         if not lease_seconds > 0:
             raise ConfigurationError(f"lease_seconds must be positive, got {lease_seconds!r}")

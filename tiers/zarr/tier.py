@@ -153,6 +153,9 @@ class ZarrTier(ZarrLocation):
         retry_timeout: seconds after which a failing S3 request is not retried any more.
         connect_timeout, request_timeout: S3 connection and whole-request limits, seconds.
         keep_last, keep_every: retention (see :class:`lazyckpt.Retention`).
+        retention: the whole retention policy as one :class:`lazyckpt.Retention` (which
+            also holds ``keep_best`` and ``keep_within``), instead of ``keep_last`` and
+            ``keep_every``.
         skip_signature: S3: send unsigned requests (a bucket that allows anonymous access)
             instead of looking for credentials.
         require_conditional_writes: S3: at open for writing, check that the server honours
