@@ -12,9 +12,14 @@ MODE ``crash`` snapshots steps 1 to 3 through host memory, a node-local FileTier
 (ROOT/local) and a ZarrTier standing for the parallel file system (ROOT/pfs), waits until
 each is committed everywhere, then dies by SIGKILL (a crash: nothing is closed).
 
+MODE ``cadence`` runs as ``default`` through host memory, a node-local FileTier
+(ROOT/local) and a ZarrTier standing for the parallel file system (ROOT/pfs) whose cadence
+(every 100 steps) skips steps 1 and 2: the preemption's drain must leave step 2 on the
+parallel file system through an emergency copy.
+
 With RANK and WORLD_SIZE in the environment (as torchrun sets them) it is one rank of
 several (gloo on loopback); MODE ``restore`` then restores the latest step on every rank
-and prints whether it is bit for bit the state of that step.
+and prints whether it is bit for bit the state of that step (``restore-pfs``: from ROOT/pfs).
 """
 
 from __future__ import annotations
@@ -68,8 +73,9 @@ def main(root: Path, mode: str) -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method="env://")
-        if mode == "restore":
-            with lazyckpt.SyncCheckpointer([FileTier(root)]) as ckpt:
+        if mode in ("restore", "restore-pfs"):
+            tier = FileTier(root) if mode == "restore" else ZarrTier(root / "pfs", name="pfs")
+            with lazyckpt.SyncCheckpointer([tier]) as ckpt:
                 restored = ckpt.restore()
                 print(f"restored step {restored['step']}", same(restored, state_of(restored["step"], rank)), flush=True)
             dist.destroy_process_group()
@@ -88,6 +94,26 @@ def main(root: Path, mode: str) -> None:
             sys.exit(3)
 
         signal.signal(signal.SIGTERM, previous)
+    if mode == "cadence":
+        chain = [
+            HostMemoryTier(8 << 20),
+            FileTier(root / "local", name="local"),
+            ZarrTier(root / "pfs", name="pfs"),
+        ]
+        with lazyckpt.SyncCheckpointer(
+            chain,
+            shard_size=1 << 16,
+            preemption_signals=(signal.SIGTERM,),
+            preemption_grace=30,
+            cadence={"pfs": 100},
+        ) as ckpt:
+            ckpt.snapshot(state_of(1, rank), step=1).wait("committed")
+            ckpt.snapshot(state_of(2, rank), step=2)
+            ckpt.wait_captured()
+            print("captured", flush=True)
+            time.sleep(60)
+            print("not preempted", flush=True)
+        return
     slow: lazyckpt.Tier
     if "WORLD_SIZE" in os.environ:
         slow = SlowFileTier(root, name="file")
