@@ -3,6 +3,7 @@ snapshot, and the engine's retention by metric and by age."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -152,14 +153,20 @@ def test_a_cadence_by_time_takes_the_first_step_then_at_most_one_per_interval(tm
     with SyncCheckpointer(
         chain(tmp_path), shard_size=1 << 16, cadence={"pfs": Cadence(seconds=0.3)}, emergency_tiers=()
     ) as ckpt:
-        handles = []
+        handles, called = [], {}
         for s in range(1, 9):
+            called[s] = time.monotonic()
             handles.append(ckpt.snapshot(state_of(s), step=s))
             time.sleep(0.1)
         took = [h.step for h in handles if outcome(h, "pfs") == "reached"]
-    assert took[0] == 1
-    assert 2 <= len(took) <= 4  # 0.8 s of steps, one per 0.3 s (and the first)
-    assert all(b - a >= 2 for a, b in zip(took, took[1:], strict=False))
+    assert took[0] == 1 and len(took) >= 2
+    slack = 0.05  # snapshot() reads the clock a little after this test does
+    for a, b in itertools.pairwise(took):
+        assert called[b] - called[a] >= 0.3 - slack  # at most one per interval
+    for s in range(1, 9):  # and a step is skipped only while the interval runs
+        if s not in took:
+            last = max(t for t in took if t < s)
+            assert called[s] - called[last] < 0.3 + slack
 
 
 def test_every_or_seconds_takes_either(tmp_path: Path) -> None:
