@@ -26,8 +26,9 @@ test: $(STAMP)
 # 200 kills at every pipeline point and at random, then 20 rounds of a second writer started
 # beside a live or a killed one plus a writer of the other tier kind on the same location,
 # 33 kills each through dcp.async_save, a DeepSpeed job (LazyCheckpointEngine) and
-# Lightning's LazyCheckpointIO, and 40 kills of a writer on S3 (SeaweedFS on loopback) plus
-# one of the S3 server itself
+# Lightning's LazyCheckpointIO, 40 kills of a writer on S3 (SeaweedFS on loopback) plus
+# one of the S3 server itself, and 50 kills of a chain with mixed cadences (the parallel
+# file system every 3rd step), a third of them inside the emergency copy a close writes
 soak: $(STAMP)
 	LAZYCKPT_SOAK_KILLS=200 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py
 

@@ -12,7 +12,8 @@ Points: ``capture.done``, ``checksum.done``, ``tier.put.done``, ``tier.commit.be
 ``tier.commit.after``, ``file.write.before_sync``, ``file.commit.before_manifest``,
 ``file.commit.before_rename``, ``file.commit.after_rename``, ``file.delete.after_unlink``,
 ``file.delete.retired``, ``file.collect.before_remove``, ``zarr.delete_dir.before_remove``,
-``retention.before_delete``.
+``retention.before_delete``, ``emergency.shard.read`` (an emergency copy read a shard back
+and is about to write it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ POINTS = (
     "file.collect.before_remove",
     "zarr.delete_dir.before_remove",
     "retention.before_delete",
+    "emergency.shard.read",
 )
 
 _hook: Callable[[str], None] | None = None

@@ -125,6 +125,58 @@ async def test_kill_anywhere_keeps_the_last_commit(kind: str, tmp_path: Path) ->
     print(f"{kind}: kills survived by point: {dict(survived)}")
 
 
+async def check_cadenced(root: Path) -> tuple[int | None, int | None]:
+    """The newest step on the node-local tier (restored bit for bit) and on the parallel
+    file system's (every listed step restored bit for bit), opened as a new job would."""
+    async with lazyckpt.Checkpointer([durable_tier(root, "file")]) as ckpt:
+        steps = await ckpt.steps()
+        if steps:
+            assert equal(await ckpt.restore(), state_of(steps[-1])), f"local step {steps[-1]} differs"
+        local = steps[-1] if steps else None
+    async with lazyckpt.Checkpointer([durable_tier(root, "zarr")]) as ckpt:
+        steps = await ckpt.steps()
+        for step in steps:
+            assert equal(await ckpt.restore(step), state_of(step)), f"pfs step {step} differs"
+        pfs = steps[-1] if steps else None
+    return local, pfs
+
+
+@pytest.mark.skipif("zarr" not in TIERS, reason="the parallel file system's stand-in is a ZarrTier")
+async def test_kill_anywhere_with_mixed_cadences_keeps_every_commit(tmp_path: Path) -> None:
+    # host and node-local every step, the PFS every 3rd; a run's close writes its last
+    # step to the PFS as an emergency copy, and a third of the kills land inside one
+    rng = random.Random(4321)
+    points = [p for p in POINTS if p != "emergency.shard.read"]
+    survived: Counter[str] = Counter()
+    latest: tuple[int | None, int | None] = (None, None)
+    for trial in range(max(5, KILLS // 4)):
+        env = dict(os.environ, LAZYCKPT_CHILD_CADENCE="1")
+        kill_after = None
+        if trial % 3 == 0:
+            label = "emergency.shard.read"
+            env["LAZYCKPT_CRASH_AT"] = f"{label}:{rng.randint(1, 6)}"
+        elif trial % 4 == 3:
+            label = "random"
+            kill_after = rng.uniform(0.5, 3.0)
+            env.pop("LAZYCKPT_CRASH_AT", None)
+        else:
+            label = points[trial % len(points)]
+            env["LAZYCKPT_CRASH_AT"] = f"{label}:{rng.randint(1, 12)}"
+        newest = [s for s in latest if s is not None]
+        first = max(newest) + 1 if newest else 0
+        code = run_child(tmp_path, "file", first, env, kill_after)
+        found = await check_cadenced(tmp_path)
+        for before, after, tier in zip(latest, found, ("local", "pfs"), strict=True):
+            if before is not None:
+                assert after is not None and after >= before, f"a step committed on {tier} was lost"
+        if code == 0 and found[0] is not None and found[0] % 3:
+            assert found[1] == found[0], "the finished run's last step has no emergency copy"
+        latest = found
+        survived[label if code else f"{label} (not reached)"] += 1
+    assert survived["emergency.shard.read"] >= 1, survived
+    print(f"mixed cadences: kills survived by point: {dict(survived)}")
+
+
 # the points where an incremental snapshot's references are at stake: its commit, the
 # retention that retires referenced steps and collects them, and a kill from outside
 def incremental_points(kind: str) -> list[str]:

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .. import hooks
 from .._distributed.coordinator import Coordinator
 from .._errors import CorruptionError, SnapshotNotFoundError
 from .._format.entries import ShardMeta
@@ -230,6 +231,7 @@ class _Emergency:
                         self._fail(copy, 0, exc)
                         break
                     copy.blocks[i] = block
+                    hooks.point("emergency.shard.read")
                     self._captured(copy, i)
                     ready: asyncio.Future[tuple[int, str | None] | None] = loop.create_future()
                     ready.set_result((shard.crc32c or 0, shard.digest))

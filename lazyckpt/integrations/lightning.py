@@ -109,6 +109,38 @@ else:
     )
 
 
+def _keeps_best(tier: Tier, cb: Any) -> bool:
+    """Whether ``tier``'s retention keeps the steps ``cb`` (a ModelCheckpoint with a
+    monitor) keeps: the best ``save_top_k`` by its monitor, in its mode."""
+    best = tier.retention.keep_best
+    return (
+        best is not None
+        and best.metric == cb.monitor
+        and best.n >= cb.save_top_k
+        and best.mode == cb.mode
+    )
+
+
+def _scalar_metrics(trainer: Any) -> dict[str, float] | None:
+    """The trainer's callback metrics that are finite scalars, as floats (what a
+    ``ModelCheckpoint`` monitors), for the snapshot's manifest; None without a trainer."""
+    found = getattr(trainer, "callback_metrics", None)
+    if not found:
+        return None
+    metrics: dict[str, float] = {}
+    for name, value in found.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                continue
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        number = float(value)
+        if number == number and abs(number) != float("inf") and isinstance(name, str) and name:
+            metrics[name] = number
+    return metrics or None
+
+
 def _isinstance_any(obj: object, attr: str) -> bool:
     """``isinstance`` against a class of that name in any installed Lightning package."""
     classes = []
@@ -250,6 +282,8 @@ class LazyCheckpointIO(_Bases):
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._jobs: list[concurrent.futures.Future[None]] = []
         self._guarded = False  # registered as a callback: its hook guards the optimizer step
+        # the trainer whose callback metrics go with each save (retention by the best)
+        self._metrics_of: Any = None
         self._training = False  # between on_train_start and on_train_end
         self._guards: list[Any] = []  # the optimizers' step-hook handles while training
         self._warned_unguarded = False
@@ -338,14 +372,15 @@ class LazyCheckpointIO(_Bases):
         state = _encode_keys(checkpoint)
         if stale:
             self._retire(step, stale, path)
+        metrics = _scalar_metrics(self._metrics_of)
         try:
-            handle = ckpt.snapshot(state, step=step)
+            handle = ckpt.snapshot(state, step=step, metrics=metrics)
         except LazyCkptError as exc:
             if getattr(exc, "step", step) == step:
                 raise
             # an earlier snapshot's failure surfaced here; report it and take this one
             log.error("lazyckpt: an earlier checkpoint failed: %s", exc)
-            handle = ckpt.snapshot(state, step=step)
+            handle = ckpt.snapshot(state, step=step, metrics=metrics)
         if handle.skipped:
             log.warning("lazyckpt: checkpoint %r skipped (pipeline busy, when_busy='skip')", path)
             return
@@ -608,6 +643,7 @@ class LazyCheckpointIO(_Bases):
                 )
             strategy.checkpoint_io = self
         self._guarded = True
+        self._metrics_of = trainer
         self._check_retention(trainer)
         if trainer.is_global_zero and stage == "fit":
             # open now (arena allocated and pre-faulted, tiers opened) rather than inside
@@ -615,25 +651,47 @@ class LazyCheckpointIO(_Bases):
             _ = self.checkpointer
 
     def _check_retention(self, trainer: Any) -> None:
+        """Refuse tiers whose retention would delete a step a ``ModelCheckpoint`` keeps.
+
+        A tier keeping every step leaves the deleting to ModelCheckpoint (it removes its
+        files, and this CheckpointIO the steps no file names). Where every durable tier
+        has retention, the tiers must keep what the callbacks keep: the last k steps for
+        ``save_top_k`` by recency, and for ``monitor=`` the best by that metric, which a
+        tier keeps with ``Retention(keep_best=KeepBest(monitor, top_k, mode))`` (each
+        save carries the trainer's scalar callback metrics, so lazyckpt judges the steps
+        by the same numbers)."""
         durable = [t for t in self._tiers if t.level != TierLevel.HOST]
-        if not durable or any(
-            t.retention.keep_last is None and t.retention.keep_every is None for t in durable
-        ):
+        if not durable or any(not t.retention.describe() for t in durable):
             return  # some tier keeps every step: ModelCheckpoint alone decides what goes
         needed = 0
         for cb in trainer.checkpoint_callbacks:
             if not _isinstance_any(cb, "ModelCheckpoint") or cb.save_top_k == 0:
                 needed += int(bool(getattr(cb, "save_last", False)))
                 continue
-            if cb.monitor is not None or cb.save_top_k < 0:
+            if cb.monitor is not None and cb.save_top_k > 0:
+                lacking = [t.name for t in durable if not _keeps_best(t, cb)]
+                if lacking:
+                    raise ConfigurationError(
+                        f"ModelCheckpoint(monitor={cb.monitor!r}, save_top_k={cb.save_top_k}, "
+                        f"mode={cb.mode!r}) keeps the best steps by {cb.monitor!r}, but the "
+                        f"retention of tier(s) {lacking} may delete them; give them "
+                        f"Retention(keep_best=KeepBest({cb.monitor!r}, {cb.save_top_k}, "
+                        f"{cb.mode!r})) (with keep_last for the newest), or no retention "
+                        "and let ModelCheckpoint delete"
+                    )
+                needed += int(bool(cb.save_last))
+                continue
+            if cb.save_top_k < 0:
                 raise ConfigurationError(
-                    f"ModelCheckpoint(monitor={cb.monitor!r}, save_top_k={cb.save_top_k}) may "
-                    "keep steps older than the newest ones, but every durable tier has "
-                    "keep_last/keep_every retention that would delete them; give the last "
-                    "tier no retention and let ModelCheckpoint delete"
+                    f"ModelCheckpoint(save_top_k={cb.save_top_k}) keeps every step, but every "
+                    "durable tier has retention that would delete them; give the last tier "
+                    "no retention"
                 )
             needed += cb.save_top_k + int(bool(cb.save_last))
-        kept = max(t.retention.keep_last or 0 for t in durable)
+        recency = [t.retention.keep_last for t in durable if t.retention.keep_last is not None]
+        if not recency:
+            return  # no tier deletes by recency
+        kept = max(recency)
         if needed > kept:
             raise ConfigurationError(
                 f"the ModelCheckpoint callbacks keep up to {needed} checkpoints but the tiers "

@@ -7,6 +7,11 @@ is durable before the next step starts). The state of step s is a pure
 function of s (see :func:`state_of`), so a checker in another process can rebuild exactly
 what was snapshotted at any step and compare it bit for bit with what was restored.
 
+With ``LAZYCKPT_CHILD_CADENCE`` set the chain is host memory, a node-local FileTier
+(ROOT/file, every step) and a ZarrTier standing for the parallel file system (ROOT/zarr,
+every 3rd step), each keeping its last 3 steps; closing writes the last step to the
+parallel file system as an emergency copy when its cadence skipped it.
+
 With ``LAZYCKPT_CHILD_INCREMENTAL`` set (``1`` or ``versions``) the snapshots are incremental
 and the state is a fine-tune's (:func:`incremental_state_of`): frozen weights, the same
 tensors at every step, beside a small part that changes.
@@ -87,12 +92,22 @@ def durable_tier(root: Path | str, kind: str, **kwargs: Any) -> lazyckpt.Tier:
 
 
 async def main(root: Path | str, kind: str, first: int, last: int, wait: str) -> None:
-    chain = [HostMemoryTier(4 << 20), durable_tier(root, kind, keep_last=3)]
+    options: dict[str, Any] = {}
+    if os.environ.get("LAZYCKPT_CHILD_CADENCE"):
+        assert isinstance(root, Path)
+        chain = [
+            HostMemoryTier(4 << 20),
+            FileTier(root / "file", name="local", keep_last=3),
+            lazyckpt.load_tier("zarr", str(root / "zarr"), name="pfs", keep_last=3),
+        ]
+        options["cadence"] = {"pfs": 3}
+    else:
+        chain = [HostMemoryTier(4 << 20), durable_tier(root, kind, keep_last=3)]
     pause = float(os.environ.get("LAZYCKPT_CHILD_PAUSE", "0"))  # seconds between steps
     incremental = incremental_mode()
     make_state = incremental_state_of if incremental else state_of
     async with lazyckpt.Checkpointer(
-        chain, shard_size=SHARD, pack_bytes=4096, incremental=incremental
+        chain, shard_size=SHARD, pack_bytes=4096, incremental=incremental, **options
     ) as ckpt:
         print("opened", flush=True)
         for step in range(first, last):

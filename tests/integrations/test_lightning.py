@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,33 @@ def test_retention_that_would_drop_a_kept_checkpoint_is_refused(tmp_path: Path) 
     latest = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), save_last=True)
     with pytest.raises(ConfigurationError, match="keep_last to at least 2"):
         trainer(tmp_path, epochs=1, plugins=[io], callbacks=[io, latest]).fit(Tiny())
+    io.close()
+
+
+def test_best_by_a_metric_is_kept_by_the_tiers_own_retention(tmp_path: Path) -> None:
+    from lazyckpt import KeepBest, Retention
+    from lazyckpt.tier import StepInfo
+
+    keep = Retention(keep_last=1, keep_best=KeepBest("train_loss", 2))
+    io = LazyCheckpointIO(chain(tmp_path, retention=keep))
+    best = pl.callbacks.ModelCheckpoint(
+        dirpath=str(tmp_path / "ckpts"), monitor="train_loss", save_top_k=2, every_n_train_steps=1
+    )
+    trainer(tmp_path, epochs=2, plugins=[io], callbacks=[io, best]).fit(Tiny())
+    ckpt = io.checkpointer
+    ckpt.drain()
+    store = ckpt._core.engine.tiers[1]
+    infos = {s: StepInfo.from_manifest(ckpt._call(partial(store.read_manifest, s))) for s in ckpt.steps()}
+    # every save carried the monitored value; the tier kept the best two and the newest
+    assert all("train_loss" in info.metrics for info in infos.values())
+    kept_by_callback = {int(n.split("step=")[1].split(".")[0]) for n in os.listdir(tmp_path / "ckpts")}
+    assert kept_by_callback <= set(infos)
+    assert len(infos) <= 3
+    io.close()
+    wrong = Retention(keep_last=1, keep_best=KeepBest("train_loss", 1))
+    io = LazyCheckpointIO(chain(tmp_path / "other", retention=wrong))
+    with pytest.raises(ConfigurationError, match=r"KeepBest\('train_loss', 2, 'min'\)"):
+        trainer(tmp_path, epochs=1, plugins=[io], callbacks=[io, best]).fit(Tiny())
     io.close()
 
 
