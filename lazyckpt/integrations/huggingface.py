@@ -36,6 +36,11 @@ What it does, and where in the Trainer's loop:
   with a WARNING naming them, and the new state is saved. A save of the step resumed from,
   or of a step this run already saved, is taken once.
 
+- **Metrics.** The numbers the Trainer logged for the saved step (``loss``, and the
+  ``eval_*`` metrics of an evaluation at that step) go with the snapshot, so a tier can
+  keep the best steps by the Trainer's ``metric_for_best_model``:
+  ``FileTier(path, retention=Retention(keep_last=2, keep_best=KeepBest("eval_loss", 3)))``.
+
 A failed snapshot never stops training: it is logged (logger
 ``lazyckpt.integrations.huggingface``, level ERROR).
 """
@@ -394,13 +399,14 @@ class LazyCheckpointCallback(TrainerCallback):
         }
         if stale:
             self._retire(step, stale)
+        metrics = _step_metrics(state.log_history, step)
         try:
-            handle = ckpt.snapshot(snapshot, step=step)
+            handle = ckpt.snapshot(snapshot, step=step, metrics=metrics)
         except LazyCkptError as exc:
             if getattr(exc, "step", step) == step:
                 raise
             log.error("lazyckpt: an earlier checkpoint failed: %s", exc)
-            handle = ckpt.snapshot(snapshot, step=step)
+            handle = ckpt.snapshot(snapshot, step=step, metrics=metrics)
         if handle.skipped:
             log.warning("lazyckpt: snapshot of step %d skipped (pipeline busy)", step)
             return
@@ -434,3 +440,20 @@ class LazyCheckpointCallback(TrainerCallback):
                 handle.wait("committed")
             except LazyCkptError:
                 log.exception("lazyckpt: the checkpoint of step %d FAILED", handle.step)
+
+
+def _step_metrics(history: list[dict[str, Any]], step: int) -> dict[str, float] | None:
+    """The finite numbers logged for ``step`` (the training loss, an evaluation's
+    ``eval_*`` metrics), as a snapshot's ``metrics``; None when there are none."""
+    metrics: dict[str, float] = {}
+    for entry in reversed(history):
+        if entry.get("step") != step:
+            if metrics or (isinstance(entry.get("step"), int) and entry["step"] < step):
+                break
+            continue
+        for name, value in entry.items():
+            if name == "step" or name in metrics or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float) and value == value and abs(value) != float("inf"):
+                metrics[name] = float(value)
+    return metrics or None

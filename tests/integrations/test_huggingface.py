@@ -127,6 +127,37 @@ def test_every_step_and_latest(tmp_path: Path) -> None:
     assert '"global_step": 3' in saved["trainer_state"]
 
 
+def test_the_logged_metrics_go_with_each_snapshot_for_retention_by_the_best(tmp_path: Path) -> None:
+    from lazyckpt import KeepBest, Retention
+    from lazyckpt.tier import StepInfo
+
+    keep = Retention(keep_last=1, keep_best=KeepBest("eval_loss", 2))
+    tiers = [HostMemoryTier(16 << 20), FileTier(tmp_path / "store", retention=keep)]
+    with LazyCheckpointCallback(tiers) as cb:
+        t = transformers.Trainer(
+            model=model(),
+            args=transformers.TrainingArguments(
+                output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                num_train_epochs=EPOCHS, learning_rate=1e-2, logging_steps=1,
+                save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+                metric_for_best_model="eval_loss", report_to=[], disable_tqdm=True,
+                use_cpu=True, seed=0,
+            ),
+            train_dataset=Tokens(), eval_dataset=Tokens(seed=8), callbacks=[cb],
+        )
+        t.train()
+        ckpt = cb.checkpointer
+        ckpt.drain()
+        evals = {e["step"]: e["eval_loss"] for e in t.state.log_history if "eval_loss" in e}
+    with SyncCheckpointer([FileTier(tmp_path / "store", readonly=True)]) as check:
+        tier = check._core.engine.tiers[0]
+        kept = check.steps()
+        infos = {s: StepInfo.from_manifest(check._call(lambda s=s: tier.read_manifest(s))) for s in kept}
+    assert all(infos[s].metrics["eval_loss"] == evals[s] for s in kept)
+    best = sorted(evals, key=lambda s: (evals[s], -s))[:2]
+    assert set(kept) == {*best, max(evals)}
+
+
 def test_keep_trainer_save_keeps_the_trainers_folders(tmp_path: Path) -> None:
     with LazyCheckpointCallback(chain(tmp_path), keep_trainer_save=True) as cb:
         train(tmp_path, model(), [cb], num_train_epochs=1)
