@@ -35,8 +35,14 @@ def test_lora_incremental_example() -> None:
         assert "retired: ['step-000000000000']" in out
 
 
+def test_multilevel_example() -> None:
+    out = run(str(EXAMPLES / "multilevel.py"), "--steps", "25")
+    assert "restored step 25 from the slow tier alone: bit for bit True" in out
+    assert "KEPT BECAUSE" in out and "best 3 by val_loss" in out
+
+
 def test_every_example_is_covered() -> None:
-    covered = {"train_gpt.py", "custom_tier.py", "lora_incremental.py"}
+    covered = {"train_gpt.py", "custom_tier.py", "lora_incremental.py", "multilevel.py"}
     present = {p.name for p in EXAMPLES.glob("*.py")}
     assert present <= covered | _covered_elsewhere(), present - covered
 

@@ -43,7 +43,7 @@ import concurrent.futures
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,6 +112,15 @@ class LazyCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # unt
         """Raise a failed save at the next ``save()``/``maybe_wait_for_saving()`` instead of
         logging it and training on."""
 
+        cadence: dict[str, int] = field(default_factory=dict)
+        """Which saves each tier of the chain takes, by tier name: ``{"pfs": 100}``
+        writes every 100th step there (``lazyckpt.Cadence(every=100)``) while the tiers
+        not named take every save ``interval`` schedules; the step of a preemption, of
+        the last save and of ``close()`` also goes to a tier that skipped it (an
+        emergency copy). With the default chain (host memory, then the folder) the folder
+        is the first durable tier and takes every save; name tiers of a chain passed as
+        ``tiers=``."""
+
         hf_max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
         """With ``last_save_in_hf``: the most tensor data one safetensors file holds (a
         larger tensor gets a file of its own), unless the state-dict adapter's
@@ -176,6 +185,8 @@ class LazyCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # unt
         if tiers is None:
             tiers = self._default_tiers(config)
         options: dict[str, Any] = {"when_busy": config.when_busy}
+        if config.cadence:
+            options["cadence"] = dict(config.cadence)
         if config.host_bytes == 0:
             options["staging_bytes"] = 64 << 20
         self.checkpointer = SyncCheckpointer(tiers, **options).open()

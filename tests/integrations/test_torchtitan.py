@@ -205,6 +205,24 @@ def test_last_step_model_only_in_the_export_dtype_and_retention(tmp_path: Path) 
         ]
 
 
+def test_a_cadence_per_tier_from_the_config(tmp_path: Path) -> None:
+    from tiers import HostMemoryTier, ZarrTier
+
+    tiers = [
+        HostMemoryTier(8 << 20),
+        FileTier(tmp_path / "local", name="local"),
+        ZarrTier(tmp_path / "pfs", name="pfs"),
+    ]
+    run = Run(tmp_path, interval=1, tiers=tiers, cadence={"pfs": 3}, last_save_model_only=False)
+    run.train(STEPS)
+    run.checkpointer.close()
+    with SyncCheckpointer([FileTier(tmp_path / "local", readonly=True)]) as local:
+        assert local.steps() == list(range(1, STEPS + 1))
+    with SyncCheckpointer([ZarrTier(tmp_path / "pfs", readonly=True)]) as pfs:
+        # every 3rd step, and the last one as the close's emergency copy
+        assert pfs.steps() == sorted({*range(3, STEPS + 1, 3), STEPS})
+
+
 def test_a_failed_save_is_logged_and_training_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
