@@ -235,3 +235,14 @@ def test_incremental_snapshots_stay_in_each_rank_and_reshard(tmp_path: Path) -> 
         assert first > 0 and all(0 < n <= first - 32768 for n in later), r["written"]
     for r in launch("incremental-restore", root, out / "on4", 4).values():
         assert r["mismatch"] == []
+
+
+def test_a_rank_that_wrote_every_replicated_chunk_restores_with_the_others(tmp_path: Path) -> None:
+    # one Replicated tensor on two ranks: its writer holds no replica entry and needs
+    # nothing from the other rank, which needs it; both must take the same restore path
+    # (the resharding one exchanges shards), else the exchange waits for a rank not in it
+    res = launch("one-replica", tmp_path / "ckpt", tmp_path / "out", 2)
+    modes = sorted(r["modes"]["shared"] for r in res.values())
+    assert modes[1] == "replica" and modes[0] != "replica"
+    for r in res.values():
+        assert r["plain_ok"] and r["into_ok"], r

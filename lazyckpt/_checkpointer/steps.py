@@ -71,7 +71,15 @@ class _StepOps:
         protected[manifest.step] = protected.get(manifest.step, 0) + 1
         handed_over = False
         try:
-            if needs_resharding(manifest, into, rank, world):
+            reshard = needs_resharding(manifest, into, rank, world)
+            coordinator = self.engine.coordinator
+            if coordinator is not None:
+                # the resharding restore exchanges shards between ranks, so every rank
+                # takes it where any rank needs it (a rank that wrote every replicated
+                # chunk itself needs nothing from the others, but they need it)
+                (anyone,) = await coordinator.maximum(0, [int(reshard)])
+                reshard = bool(anyone)
+            if reshard:
                 resharded = await restore_resharded(
                     manifest,
                     sources,

@@ -249,10 +249,33 @@ async def incremental_restore(root: Path, out: Path, rank: int, world: int) -> d
     return {"rank": rank, "mismatch": compare({k: plain[k] for k in expected}, expected)}
 
 
+async def one_replica(root: Path, out: Path, rank: int, world: int) -> dict[str, Any]:
+    """One tensor marked ``Replicated``: one rank writes it, the others hold a replica
+    entry, and the writer needs nothing from them; a restore on every rank (into new
+    tensors and into live ones) must still take the same path everywhere."""
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randn(32, 16, generator=g)
+    own = torch.full((8,), float(rank))
+    result: dict[str, Any] = {"rank": rank}
+    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+        handle = await ckpt.snapshot({"shared": Replicated(shared), "own": own}, step=1)
+        await handle.committed()
+        plain = await ckpt.restore()
+        result["plain_ok"] = bool(torch.equal(plain["shared"], shared) and torch.equal(plain["own"], own))
+        target = {"shared": Replicated(torch.zeros(32, 16)), "own": torch.zeros(8)}
+        await ckpt.restore(1, into=target)
+        value = target["shared"].value
+        result["into_ok"] = bool(torch.equal(value, shared) and torch.equal(target["own"], own))
+    manifest = json.loads((root / "step-000000000001" / f"rank-{rank:05d}.json").read_text())
+    result["modes"] = {t["key"]: t["mode"] for t in manifest["tensors"]}
+    return result
+
+
 SCENARIOS = {
     "save": save,
     "restore": restore,
     "incremental": incremental_save,
+    "one-replica": one_replica,
     "incremental-restore": incremental_restore,
 }
 
