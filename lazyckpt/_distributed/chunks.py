@@ -110,6 +110,11 @@ def _placement_name(p: Any, key: str) -> str:
     )
 
 
+# (mesh id, placements, global shape, local shape) -> (the mesh, where the chunk lies)
+_CHUNKS: dict[tuple[Any, ...], tuple[Any, DistInfo]] = {}
+_CHUNKS_KEPT = 1 << 16
+
+
 def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | None:
     """For a DTensor, its local chunk (a view) and where it lies; ``None`` for any other
     tensor. Raises :class:`UnsupportedStateError` for a placement lazyckpt cannot store."""
@@ -129,6 +134,21 @@ def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | No
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = t.device_mesh
+    local = t.to_local().detach()
+    gshape = tuple(t.shape)
+    try:
+        # the same mesh, placements and shapes give the same chunk: a model's layers share
+        # them, and every snapshot of a run asks again (torch's own computation of it is
+        # about a hundred microseconds a tensor)
+        cache_key: tuple[Any, ...] | None = (id(mesh), t.placements, gshape, tuple(local.shape))
+        hash(cache_key)
+    except TypeError:  # a placement that cannot be hashed: computed each time
+        cache_key = None
+    hit = _CHUNKS.get(cache_key) if cache_key is not None else None
+    if hit is not None and hit[0] is mesh:
+        view = local.as_subclass(_LocalChunk)
+        view._owner = t
+        return view, hit[1]
     placements = tuple(_placement_name(p, key) for p in t.placements)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
@@ -136,8 +156,6 @@ def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | No
             f"DTensor {key!r} lives on a device mesh this rank is not part of; snapshot only "
             "the state this rank holds"
         )
-    local = t.to_local().detach()
-    gshape = tuple(t.shape)
     shape, offset = compute_local_shape_and_global_offset(gshape, mesh, t.placements)
     if tuple(local.shape) != tuple(shape):
         raise UnsupportedStateError(
@@ -163,6 +181,10 @@ def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | No
         coordinate=tuple(int(c) for c in coordinate),
         replicas=replicas,
     )
+    if cache_key is not None:
+        if len(_CHUNKS) >= _CHUNKS_KEPT:
+            _CHUNKS.clear()
+        _CHUNKS[cache_key] = (mesh, info)  # the mesh held, so its id is not reused
     return view, info
 
 
