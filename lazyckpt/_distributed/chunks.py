@@ -120,13 +120,7 @@ def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | No
     tensor. Raises :class:`UnsupportedStateError` for a placement lazyckpt cannot store."""
     legacy = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
     if legacy is not None and isinstance(t, legacy.ShardedTensor):
-        raise UnsupportedStateError(
-            f"{key!r} is a ShardedTensor (torch's legacy sharded tensor: FSDP1's "
-            "SHARDED_STATE_DICT, accelerate's FSDP1 default), which lazyckpt does not store. "
-            "lazyckpt stores torch tensors and DTensors: use FSDP2 (fully_shard) or "
-            "get_model_state_dict/get_optimizer_state_dict from "
-            "torch.distributed.checkpoint.state_dict, which give DTensors, or a full state dict"
-        )
+        return _sharded_tensor_chunk(t, key)
     module = sys.modules.get("torch.distributed.tensor")
     if module is None or not isinstance(t, module.DTensor):
         return None  # DTensor's module was never imported: this cannot be one
@@ -186,6 +180,53 @@ def local_chunk(t: torch.Tensor, key: str) -> tuple[torch.Tensor, DistInfo] | No
             _CHUNKS.clear()
         _CHUNKS[cache_key] = (mesh, info)  # the mesh held, so its id is not reused
     return view, info
+
+
+def _sharded_tensor_chunk(t: Any, key: str) -> tuple[torch.Tensor, DistInfo]:
+    """A legacy ``ShardedTensor`` (FSDP1's ``SHARDED_STATE_DICT``, accelerate's FSDP1
+    default): its one local shard, where its own metadata says it lies. Its shards are
+    disjoint blocks, each held by one rank. The shard's tensor is returned detached (it
+    shares the shard's version counter, so a write through it, or through the flat
+    parameter it views, fails the capture's check as on any tensor)."""
+    shards = t.local_shards()
+    gshape = tuple(int(n) for n in t.metadata().size)
+    if len(shards) != 1:
+        raise UnsupportedStateError(
+            f"ShardedTensor {key!r} has {len(shards)} local shards on this rank; lazyckpt "
+            "stores one block per rank (what ChunkShardingSpec and FSDP1 give). Save it as a "
+            "DTensor (get_model_state_dict from torch.distributed.checkpoint.state_dict) or "
+            "as a full state dict"
+        )
+    meta = shards[0].metadata
+    offset = tuple(int(o) for o in meta.shard_offsets)
+    shape = tuple(int(n) for n in meta.shard_sizes)
+    local = shards[0].tensor.detach()
+    if tuple(local.shape) != shape:
+        raise UnsupportedStateError(
+            f"ShardedTensor {key!r}: its local shard is {list(local.shape)} but its metadata "
+            f"says {shape}"
+        )
+    split = [d for d in range(len(gshape)) if shape[d] != gshape[d]]
+    if len(split) > 1:
+        raise UnsupportedStateError(
+            f"ShardedTensor {key!r}: its local shard {list(shape)} at {list(offset)} is a "
+            f"block of {list(gshape)} split on several dimensions; lazyckpt stores "
+            "shardings along one dimension"
+        )
+    dim = split[0] if split else int(getattr(t.sharding_spec(), "dim", 0) or 0)
+    everyone = [tuple(int(o) for o in m.shard_offsets) for m in t.metadata().shards_metadata]
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    info = DistInfo(
+        gshape,
+        offset,
+        (f"shard({dim})",),
+        mesh_size=len(everyone),
+        coordinate=(everyone.index(offset) if offset in everyone else 0,),
+        replicas=(rank,),
+    )
+    return local, info
 
 
 def replicated_info(t: torch.Tensor) -> DistInfo:
