@@ -214,7 +214,9 @@ class Checkpointer:
         at most ``timeout`` seconds (``None``: no limit). Snapshots may still be taken
         meanwhile; those submitted before the drain ends are waited for too. Raises no
         snapshot's failure: the report lists it (and the failure policy still applies).
-        Cancelling it only stops the waiting.
+        Cancelling it only stops the waiting. With cadences (``cadence=``) it then writes
+        the newest snapshot to the emergency tiers whose cadence skipped it
+        (``report.emergency``); with several ranks every rank must then call it together.
 
         Returns:
             A :class:`DrainReport`: per step the tiers reached, failed and still pending,
