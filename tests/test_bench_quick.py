@@ -127,3 +127,74 @@ def test_e2e_numbers(result: dict[str, Any]) -> None:
             if name != "none":
                 assert _positive(v["stall_s"]["median"]), name
                 assert _positive(v["total_durable_s"]["median"]), name
+
+
+def test_scale_quick(tmp_path: Path) -> None:
+    """``bench/scale.py --quick``: gloo jobs of 2 and 4 ranks, the sweep, the many-tensor
+    case and the read-once restore against DCP, well-formed (restores bit for bit)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "scale.py"), "--quick",
+         "--out", str(tmp_path), "--tmp", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (path,) = tmp_path.glob("scale-*.json")
+    doc = json.loads(path.read_text())
+    assert "/" not in json.dumps(doc["machine"])
+    assert "## Read once" in path.with_suffix(".md").read_text()
+    r = doc["results"]
+    assert [a["world"] for a in r["sweep"]] == [2, 4]
+    for a in r["sweep"] + r["many"]:
+        s = a["lazyckpt_snapshot"]
+        assert _positive(s["snapshot_s"]["median"]) and _positive(s["commit_s"]["median"])
+        # two all_reduce per committed step and tier, whatever the world size
+        assert set(s["coordinator_collectives"]) == {2}, s
+        assert s["calls_own"] == {"all_reduce": 2}, s
+        x = a["lazyckpt_restore"]
+        assert _positive(x["planning_s"]["median"]) and x["mismatches"] == 0
+        assert _positive(a["dcp_save"]["planning_s"]["median"])
+        assert _positive(a["dcp_load"]["load_s"]["median"]) and a["dcp_load"]["mismatches"] == 0
+    # the sweep's restore reads every saved rank's manifest but its own
+    assert [a["lazyckpt_restore"]["manifests_read_per_rank"] for a in r["sweep"]] == [1, 3]
+    assert {a["kind"] for a in r["many"]} == {"dtensor", "plain"}
+    for layout in ("ddp", "hsdp"):
+        ro = r["readonce"][layout]
+        assert ro["lazyckpt"]["mismatches"] == 0 and ro["dcp"]["mismatches"] == 0
+        assert all(_positive(v) for v in ro["lazyckpt"]["read_over_stored"])
+
+
+def test_cadence_quick(tmp_path: Path) -> None:
+    """``bench/cadence.py --quick``: a training loop with the chain host, file and a
+    throttled pfs tier, every snapshot everywhere against the pfs every 5th step: the pfs
+    tier gets the cadence's steps and the emergency copy of the last one, and fewer bytes."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "cadence.py"), "--quick",
+         "--out", str(tmp_path), "--tmp", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (path,) = tmp_path.glob("cadence-*.json")
+    doc = json.loads(path.read_text())
+    assert "/" not in json.dumps(doc["machine"])
+    assert "| pfs every 5 steps |" in path.with_suffix(".md").read_text()
+    s = doc["summary"]
+    assert set(s) == {"none", "everywhere", "cadence"}
+    steps = doc["params"]["warmup"] + doc["params"]["iters"]  # 12: pfs takes 5, 10, then 12
+    for name, e in s.items():
+        assert _positive(e["loop_s"]["median"]) and _positive(e["loop_over_none"]["median"]), name
+        if name == "none":
+            continue
+        assert _finite(e["stall_stats_per_step_s"]["median"]), name
+        assert e["snapshots_skipped"] == 0 and not e["drain_failed"], name
+    assert sorted(s["everywhere"]["slow_committed_steps"]) == list(range(1, steps + 1))
+    assert s["everywhere"]["emergency"] == {}
+    assert s["cadence"]["slow_committed_steps"] == [5, 10, 12]
+    assert s["cadence"]["emergency"] == {"12": ["pfs"]}
+    assert s["cadence"]["slow_bytes"]["median"] * 3 < s["everywhere"]["slow_bytes"]["median"]
+    assert s["cadence"]["slow_commits"]["median"] == 3
