@@ -33,7 +33,10 @@ checked against their manifests), and reads just the shards holding the overlap:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, MutableMapping, Sequence
+import copy
+import json
+import logging
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -59,6 +62,8 @@ from .fetch import Checksum, byte_view, committed_steps, read_verified, thread_c
 from .into import apply_into
 from .keys import align_into
 from .restore import check_optimizers, read_manifest
+
+log = logging.getLogger("lazyckpt")
 
 __all__ = [
     "Replicated",
@@ -283,13 +288,18 @@ def _region_for(
 
 
 def _holders(
-    meta: TensorMeta, base: Manifest, held: Mapping[str, list[tuple[int, Box]]]
+    meta: TensorMeta,
+    base: Manifest,
+    held: Mapping[str, list[tuple[int, Box]]],
+    owners: Mapping[str, int] | None = None,
 ) -> list[tuple[int, Box]]:
     """The saved ranks holding parts of a tensor, with the global box each holds: for a
     distributed tensor, what the saved ranks' manifests record (each box once: of several
     ranks holding the same chunk, the base rank if it is one, else the first)."""
-    if meta.placements is None:  # a per-rank tensor: the base rank's own
-        return [(base.rank, _box((0,) * len(meta.shape), meta.shape))]
+    if meta.placements is None:  # a per-rank tensor: the base rank's own (or, grafted
+        # from another pipeline stage, that stage's first rank's)
+        owner = base.rank if owners is None else owners.get(meta.key, base.rank)
+        return [(owner, _box((0,) * len(meta.shape), meta.shape))]
     found: dict[Box, int] = {}
     for r, box in held.get(meta.key, []):
         if box not in found or r == base.rank:
@@ -297,16 +307,121 @@ def _holders(
     return [(r, box) for box, r in found.items()]
 
 
-def _held_boxes(manifests: Mapping[int, Manifest]) -> dict[str, list[tuple[int, Box]]]:
-    """Per tensor key, the boxes of the global tensor each saved rank stores itself."""
+def _held_boxes(
+    manifests: Mapping[int, Manifest], stage_of: Mapping[str, frozenset[int]] | None = None
+) -> dict[str, list[tuple[int, Box]]]:
+    """Per tensor key, the boxes of the global tensor each saved rank stores itself (only
+    from the ranks of the stage the key is restored from, where ``stage_of`` says so)."""
     held: dict[str, list[tuple[int, Box]]] = {}
     for r, m in sorted(manifests.items()):
         for meta in m.tensors:
+            if stage_of is not None and r not in stage_of.get(meta.key, (r,)):
+                continue
             if meta.placements is None or meta.mode == "replica":
                 continue
             assert meta.global_offset is not None
             held.setdefault(meta.key, []).append((r, _box(meta.global_offset, meta.shape)))
     return held
+
+
+def _stages(manifests: Mapping[int, Manifest]) -> list[frozenset[int]]:
+    """The saved ranks grouped by the keys they saved, lowest rank first: one group when
+    every rank saved the same keys; one per pipeline stage (or any split where ranks hold
+    different parts of the state) otherwise."""
+    groups: dict[frozenset[str], set[int]] = {}
+    for r, m in sorted(manifests.items()):
+        groups.setdefault(frozenset(t.key for t in m.tensors), set()).add(r)
+    return sorted((frozenset(g) for g in groups.values()), key=min)
+
+
+def _merge_stages(
+    base: Manifest, manifests: Mapping[int, Manifest], stages: list[frozenset[int]]
+) -> tuple[Manifest, dict[str, frozenset[int]], dict[str, int]]:
+    """``base`` with the parts of the state only other stages saved grafted into its tree
+    (a pipeline stage's own layers, under their own names), for a restore onto another
+    layout or into one process. A key several stages saved with their own tensors (a
+    positional optimizer state: ``optim/state/0/...`` on every stage) cannot name both: the
+    base's stage keeps it, and a warning says how many such keys there are.
+
+    Returns the merged manifest, the stage each key is restored from, and the rank
+    holding each grafted per-rank tensor."""
+    mine = next(g for g in stages if base.rank in g)
+    base_keys = {t.key for t in base.tensors}
+    stage_of: dict[str, frozenset[int]] = dict.fromkeys(base_keys, mine)
+    owners: dict[str, int] = {}
+    tensors = list(base.tensors)
+    tree = copy.deepcopy(base.tree)
+    shared: set[str] = set()
+    for group in stages:
+        if group is mine:
+            continue
+        source = manifests[min(group)]
+        remap: dict[int, int] = {}
+
+        def take(i: int, source: Manifest = source, remap: dict[int, int] = remap, group: frozenset[int] = group) -> int:
+            if i not in remap:
+                meta = source.tensors[i]
+                if meta.alias_of is not None:
+                    meta = replace(meta, alias_of=take(meta.alias_of))
+                remap[i] = len(tensors)
+                tensors.append(meta)
+                stage_of[meta.key] = group
+                owners[meta.key] = source.rank
+            return remap[i]
+
+        tree = _graft(tree, source.tree, take)
+        shared |= {t.key for t in source.tensors} & base_keys
+    if shared:
+        log.warning(
+            "restoring a step whose ranks saved different parts of the state (pipeline "
+            "stages?): %d keys were saved by several of them with tensors of their own "
+            "(such as %r) and come from ranks %s only; save optimizer state keyed by "
+            "parameter names (torch.distributed.checkpoint.state_dict."
+            "get_optimizer_state_dict) for a restore that keeps every stage's",
+            len(shared), min(shared), sorted(mine),
+        )
+    return replace(base, tensors=tuple(tensors), tree=tree), stage_of, owners
+
+
+def _graft(into: Any, other: Any, take: Callable[[int], int]) -> Any:
+    """``into`` (a tree as manifests keep it) with every entry of the dicts of ``other``
+    it lacks, at the same place, their tensors renumbered by ``take``."""
+    if (
+        isinstance(into, dict)
+        and isinstance(other, dict)
+        and set(into) == set(other) == {"$stateful"}  # a module's or optimizer's state dict
+    ):
+        return {"$stateful": _graft(into["$stateful"], other["$stateful"], take)}
+    if not (_is_dict(into) and _is_dict(other)):
+        return into
+    have = {_entry_key(k): i for i, (k, _) in enumerate(into["$dict"])}
+    entries = list(into["$dict"])
+    for k, v in other["$dict"]:
+        at = have.get(_entry_key(k))
+        if at is None:
+            entries.append([k, _renumbered(v, take)])
+        else:
+            entries[at] = [entries[at][0], _graft(entries[at][1], v, take)]
+    return {"$dict": entries}
+
+
+def _is_dict(node: Any) -> bool:
+    return isinstance(node, dict) and set(node) == {"$dict"}
+
+
+def _entry_key(k: Any) -> str:
+    return json.dumps(k, sort_keys=True)
+
+
+def _renumbered(node: Any, take: Callable[[int], int]) -> Any:
+    """A copy of ``node`` with each ``{"$tensor": i}`` replaced by ``{"$tensor": take(i)}``."""
+    if isinstance(node, dict):
+        if set(node) == {"$tensor"} and isinstance(node["$tensor"], int):
+            return {"$tensor": take(node["$tensor"])}
+        return {k: _renumbered(v, take) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_renumbered(v, take) for v in node]
+    return node
 
 
 async def restore_resharded(
@@ -328,10 +443,6 @@ async def restore_resharded(
     ``checksum`` computes each shard's crc32c (the Checkpointer's checksum pool)."""
     if base.pickled and not allow_pickle:
         decode_tree(base.tree, [None] * len(base.tensors), allow_pickle=False)
-    # the keys, and the optimizers' groups and state shapes (global shapes: a DTensor's
-    # entry gives its global shape, as a DTensor parameter's .shape is), are checked
-    # before anything is read
-    check_optimizers(align_into(base, into, rename=False), into)
     device = torch.device(map_location) if map_location is not None else None
     targets = _targets(into)
     readers = await _readers(all_tiers, base.step)
@@ -355,7 +466,24 @@ async def restore_resharded(
             for r in range(base.world_size):
                 if r != base.rank:
                     tg.create_task(manifest_of(r))
-    held = _held_boxes(manifests)
+    stage_of: dict[str, frozenset[int]] | None = None
+    owners: dict[str, int] | None = None
+    stages = _stages(manifests) if len(manifests) > 1 else []
+    if len(stages) > 1:
+        own_keys = {t.key for t in base.tensors}
+        if (base.world_size != world_size and into is None) or any(
+            k not in own_keys for k in targets
+        ):
+            # onto another layout, or into one process: every stage's own part too
+            base, stage_of, owners = _merge_stages(base, manifests, stages)
+        else:  # the same layout: this rank's stage only
+            mine = next(g for g in stages if base.rank in g)
+            stage_of = {t.key: mine for t in base.tensors}
+    # the keys, and the optimizers' groups and state shapes (global shapes: a DTensor's
+    # entry gives its global shape, as a DTensor parameter's .shape is), are checked
+    # before any tensor data is read
+    check_optimizers(align_into(base, into, rename=False), into)
+    held = _held_boxes(manifests, stage_of)
     wanted: list[_Wanted | None] = []
     pieces: dict[int, list[_Piece]] = {}
     for meta in base.tensors:
@@ -386,7 +514,7 @@ async def restore_resharded(
             staging = final = value = torch.empty(shape, dtype=meta.torch_dtype)
         want = _Wanted(meta, region, staging, final, value)
         wanted.append(want)
-        holders = _holders(meta, base, held)
+        holders = _holders(meta, base, held, owners)
         covered = 0
         for holder, box in holders:
             overlap = _intersect(box, region)
