@@ -58,6 +58,17 @@ def _stateful(obj: Any) -> bool:
 _NEVER_STATEFUL = (dict, list, tuple, torch.Tensor, torch.nn.Parameter, str, int, float, bool)
 
 
+def _mutable_mapping(obj: Any) -> bool:
+    """``isinstance(obj, MutableMapping)``, a plain dict answered before the ABC's check
+    (which costs about a microsecond, several times per container of a large state)."""
+    return type(obj) is dict or isinstance(obj, MutableMapping)
+
+
+def _mapping(obj: Any) -> bool:
+    """``isinstance(obj, Mapping)``, a plain dict answered first (see :func:`_mutable_mapping`)."""
+    return type(obj) is dict or isinstance(obj, Mapping)
+
+
 def _is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
@@ -89,22 +100,25 @@ def _check_keys(into: Any, restored: Any, key: str) -> None:
     """Raise :class:`StateMismatchError` where ``into`` wants what ``restored`` lacks."""
     if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
         return
-    if isinstance(into, torch.nn.Module) and isinstance(restored, Mapping):
-        want = list(into.state_dict().keys())
-        want_set = set(want)  # once, not per key
-        missing = [k for k in want if k not in restored]
-        unexpected = [k for k in restored if k not in want_set]
-        if missing or unexpected:
-            raise _mismatch(key, f"module {type(into).__qualname__}", missing, unexpected)
-    elif _stateful(into):
-        return  # its own load_state_dict decides what it accepts
-    elif isinstance(into, MutableMapping) and isinstance(restored, Mapping):
+    if type(into) is not dict:  # a plain dict is neither a module nor Stateful
+        if isinstance(into, torch.nn.Module) and isinstance(restored, Mapping):
+            want = list(into.state_dict().keys())
+            want_set = set(want)  # once, not per key
+            missing = [k for k in want if k not in restored]
+            unexpected = [k for k in restored if k not in want_set]
+            if missing or unexpected:
+                raise _mismatch(key, f"module {type(into).__qualname__}", missing, unexpected)
+            return
+        if _stateful(into):
+            return  # its own load_state_dict decides what it accepts
+    if _mutable_mapping(into) and _mapping(restored):
         missing = [k for k in into if k not in restored]
         if missing:
             unexpected = [k for k in restored if k not in into]
             raise _mismatch(key, "the mapping", missing, unexpected)
-        for k in into:
-            _check_keys(into[k], restored[k], _join(key, k))
+        for k, v in into.items():
+            if not isinstance(v, torch.Tensor):  # a tensor leaf has nothing to check
+                _check_keys(v, restored[k], _join(key, k))
     elif _is_dataclass_instance(into) and isinstance(restored, DataclassValue):
         names = [f.name for f in dataclasses.fields(into)]
         names_set = set(names)
@@ -130,9 +144,15 @@ def _load(current: Any, value: Any, key: str) -> bool:
     if _stateful(current):
         _load_stateful(current, dict(value) if isinstance(value, StatefulValue) else value, key)
         return True
-    if isinstance(current, MutableMapping) and isinstance(value, Mapping):
+    if _mutable_mapping(current) and _mapping(value):
         for k, v in value.items():
-            if k not in current or not _load(current[k], v, _join(key, k)):
+            if k not in current:
+                current[k] = _plain(v)
+                continue
+            now = current[k]
+            if v is now and isinstance(v, torch.Tensor):  # filled in place by the read
+                continue
+            if not _load(now, v, _join(key, k)):
                 current[k] = _plain(v)
         return True
     if _is_dataclass_instance(current) and isinstance(value, DataclassValue):

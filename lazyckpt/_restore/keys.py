@@ -95,7 +95,9 @@ def _items(node: JSON) -> tuple[list[Any], bool] | None:
 
 
 def _key_of(node: JSON) -> Any:
-    return node if isinstance(node, str) else decode_tree(node, [], allow_pickle=False)
+    if type(node) is str or type(node) is int:  # the usual keys, JSON scalars as they are
+        return node
+    return decode_tree(node, [], allow_pickle=False)
 
 
 # The whole prefixes a module's keys may carry: compiled, wrapped in DDP, or both (in either
@@ -128,32 +130,47 @@ def _prefix_map(have: list[Any], want: list[Any]) -> dict[Any, Any] | None:
 def _align(node: JSON, into: Any, path: str, renames: dict[str, str] | None) -> JSON:
     if isinstance(into, torch.Tensor):  # the usual leaf, answered before the ABC checks
         return node
-    module = isinstance(into, torch.nn.Module)
-    if module or (isinstance(into, MutableMapping) and not _stateful(into)):
+    plain = type(into) is dict  # answered before the ABC checks, once per container
+    module = not plain and isinstance(into, torch.nn.Module)
+    if plain or module or (isinstance(into, MutableMapping) and not _stateful(into)):
         found = _items(node)
         if found is None:
             return node
         items, stateful = found
         have = [_key_of(k) for k, _ in items]
         want = list(into.state_dict().keys() if module else into.keys())
-        if not set(want) <= set(have) or (module and set(have) != set(want)):
+        have_set, want_set = set(have), set(want)  # once: per element they made this O(n²)
+        changed = False
+        if not want_set <= have_set or (module and have_set != want_set):
             mapping = _prefix_map(have, want) if renames is not None else None
             if mapping is not None and renames is not None:
                 for old, new in mapping.items():
                     renames[_child(path, old)] = _child(path, new)
                 items = [[mapping.get(k, k), v] for k, (_, v) in zip(have, items, strict=True)]
                 have = [mapping.get(k, k) for k in have]
-        have_set, want_set = set(have), set(want)  # once: per element they made this O(n²)
+                have_set = set(have)
+                changed = True
         missing = [k for k in want if k not in have_set]
         unexpected = [k for k in have if k not in want_set]
         if missing or (module and unexpected):
             what = f"module {type(into).__qualname__}" if module else "the mapping"
             raise _mismatch(path, what, missing, unexpected)
         if not module:
-            items = [
-                [k_node, _align(v, into[k], _child(path, k), renames) if k in into else v]
-                for k, (k_node, v) in zip(have, items, strict=True)
-            ]
+            aligned: list[Any] = []
+            for k, item in zip(have, items, strict=True):
+                target = into.get(k)
+                if target is None or isinstance(target, torch.Tensor):  # a leaf: as it is
+                    aligned.append(item)
+                    continue
+                v = item[1]
+                new_v = _align(v, target, _child(path, k), renames)
+                if new_v is not v:
+                    item = [item[0], new_v]
+                    changed = True
+                aligned.append(item)
+            items = aligned
+        if not changed:  # nothing renamed at or below this node: the node itself
+            return node
         inner = {"$dict": items}
         return {"$stateful": inner} if stateful else inner
     return node

@@ -92,7 +92,7 @@ def check_optimizers(manifest: Manifest, into: Any) -> None:
 
 
 def _check_node(node: JSON, into: Any, path: str, metas: list[Any]) -> None:
-    if not isinstance(into, MutableMapping) or _stateful(into):
+    if type(into) is not dict and (not isinstance(into, MutableMapping) or _stateful(into)):
         return
     found = _items(node)
     if found is None:
@@ -101,15 +101,17 @@ def _check_node(node: JSON, into: Any, path: str, metas: list[Any]) -> None:
         k = _key_of(k_node)
         if k not in into:
             continue
-        target, key = into[k], _join(path, k)
+        target = into[k]
+        if isinstance(target, torch.Tensor):  # the usual leaf: nothing below it to check
+            continue
         if isinstance(target, torch.optim.Optimizer):
             try:
                 saved = decode_tree(v_node, metas, allow_pickle=False)
             except LazyCkptError:
                 continue  # pickled or damaged: the restore itself refuses or reports it
-            check_optimizer_state(target, saved, key)
+            check_optimizer_state(target, saved, _join(path, k))
         else:
-            _check_node(v_node, target, key, metas)
+            _check_node(v_node, target, _join(path, k), metas)
 
 
 def _empty(meta: TensorMeta) -> torch.Tensor:
@@ -202,6 +204,7 @@ class _Destinations:
         # tensor index -> the into= tensor itself: returned as it is, so that apply_into
         # finds the very object it holds and copies nothing
         self.given: dict[int, torch.Tensor] = {}
+        self.on_device = False  # a target is device memory (restored by restore_into)
         dtensors: dict[str, torch.Tensor] = {}
         if into is not None:
             _, refs = walk_state(into, allow_pickle=False, lenient=True)
@@ -209,12 +212,25 @@ class _Destinations:
             dtensors = {r.key: r.dtensor for r in refs if r.dtensor is not None}
         self.final: list[torch.Tensor | None] = []
         self.staging: list[torch.Tensor | None] = []  # contiguous CPU tensor read into
+        dtypes: dict[str, torch.dtype] = {}  # by name: one lookup per dtype, not per tensor
         for meta in manifest.tensors:
-            if meta.mode == "alias":
+            mode = meta.mode
+            if mode == "alias":
                 self.final.append(None)
                 self.staging.append(None)
                 continue
-            target = targets.get(meta.key)
+            target = targets.get(meta.key) if targets else None
+            if target is None and mode == "pack":  # a new small tensor: most of a large state
+                dtype = dtypes.get(meta.dtype)
+                if dtype is None:
+                    dtype = dtypes[meta.dtype] = meta.torch_dtype
+                if dtype is torch.complex32:
+                    staging = _empty(meta)
+                else:
+                    staging = torch.empty(meta.shape, dtype=dtype)
+                self.final.append(staging)
+                self.staging.append(staging)
+                continue
             if target is not None and (
                 tuple(target.shape) != meta.shape or target.dtype != meta.torch_dtype
             ):
@@ -226,11 +242,15 @@ class _Destinations:
                 self.wrappers[len(self.final)] = dtensors[meta.key]
             if target is not None:
                 self.given[len(self.final)] = target
-                final = target.detach()
-                direct = final.device.type == "cpu" and final.is_contiguous()
-                staging = final if direct else _empty(meta)
+                # detached only where autograd would refuse the in-place write: a detach
+                # costs about a microsecond, on every tensor of a large state
+                final = target.detach() if target.requires_grad else target
+                device = final.device.type
+                if device == "cuda":
+                    self.on_device = True
+                staging = final if device == "cpu" and final.is_contiguous() else _empty(meta)
             else:
-                staging = _new_tensor(meta, align) if meta.mode != "pack" else _empty(meta)
+                staging = _new_tensor(meta, align) if mode != "pack" else _empty(meta)
                 final = staging
             self.final.append(final)
             self.staging.append(staging)
@@ -324,8 +344,7 @@ async def restore_state(
         dests = _Destinations(manifest, into, map_location, _read_alignment(sources))
     problems: list[Exception] = []
     shards: Sequence[ShardMeta] = manifest.shards
-    if any(t is not None and t.device.type == "cuda" for t in dests.final):
-        # device targets: in place, host to device
+    if dests.on_device:  # device targets: in place, host to device
         await restore_into(
             manifest, sources, dests.final, concurrency=concurrency, checksum=checksum
         )
@@ -366,7 +385,7 @@ async def restore_lazily(
     manifest = align_into(manifest, into)
     check_optimizers(manifest, into)
     dests = _Destinations(manifest, into, map_location, _read_alignment(sources))
-    if any(t is not None and t.device.type == "cuda" for t in dests.final):
+    if dests.on_device:
         return None
     later = {_escape(str(k)) for k in deferred}
     tensors = manifest.tensors
