@@ -28,9 +28,10 @@ test: $(STAMP)
 # 33 kills each through dcp.async_save, a DeepSpeed job (LazyCheckpointEngine) and
 # Lightning's LazyCheckpointIO, 40 kills of a writer on S3 (SeaweedFS on loopback) plus
 # one of the S3 server itself, and 50 kills of a chain with mixed cadences (the parallel
-# file system every 3rd step), a third of them inside the emergency copy a close writes
+# file system every 3rd step), a third of them inside the emergency copy a close writes;
+# then 25 kills of a whole 4-rank HSDP job on a 2-D mesh, every listed step restored
 soak: $(STAMP)
-	LAZYCKPT_SOAK_KILLS=200 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py
+	LAZYCKPT_SOAK_KILLS=200 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_layouts_soak.py
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -73,10 +73,13 @@ class _StepOps:
         try:
             reshard = needs_resharding(manifest, into, rank, world)
             coordinator = self.engine.coordinator
-            if coordinator is not None:
+            if coordinator is not None and any(m.placements is not None for m in manifest.tensors):
                 # the resharding restore exchanges shards between ranks, so every rank
                 # takes it where any rank needs it (a rank that wrote every replicated
-                # chunk itself needs nothing from the others, but they need it)
+                # chunk itself needs nothing from the others, but they need it). Only a
+                # step holding distributed tensors asks: the ranks of a plain per-rank
+                # state (DeepSpeed's files) restore on their own, as many times as each
+                # wants
                 (anyone,) = await coordinator.maximum(0, [int(reshard)])
                 reshard = bool(anyone)
             if reshard:
