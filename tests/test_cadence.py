@@ -3,6 +3,7 @@ snapshot, and the engine's retention by metric and by age."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -430,3 +431,26 @@ def test_two_ranks_take_the_same_steps_and_copy_the_newest(tmp_path: Path, mode:
     assert results[0]["emergency"] == results[1]["emergency"] == copied
     for r in results:
         assert r["pfs_steps"] == sorted({*taken, 12}) and r["restored_ok"]
+
+
+class _SlowFirstStep(FileTier):
+    """A FileTier whose writes of step 1 take 0.5 s more: step 2 commits first."""
+
+    async def put_shard(self, manifest: Any, shard: Any, data: memoryview) -> None:
+        if manifest.step == 1:
+            await asyncio.sleep(0.5)
+        await super().put_shard(manifest, shard, data)
+
+
+def test_a_step_retention_kept_back_while_in_flight_goes_when_it_is_done(tmp_path: Path) -> None:
+    # step 2 commits first; step 1's own commit then asks for a pass, which must keep it
+    # (still in flight) and ask again once it is done: no later commit would
+    tier = _SlowFirstStep(tmp_path, retention=Retention(keep_last=1))
+    with SyncCheckpointer([tier], shard_size=1 << 16) as ckpt:
+        first = ckpt.snapshot(state_of(1), step=1)
+        ckpt.snapshot(state_of(2), step=2).wait()
+        first.wait()
+        deadline = time.monotonic() + 10
+        while ckpt.steps() != [2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ckpt.steps() == [2]

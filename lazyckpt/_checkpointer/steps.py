@@ -135,6 +135,7 @@ class _StepOps:
         protected[step] -= 1
         if not protected[step]:
             del protected[step]
+            self.engine.retry_retention()  # a pass may have kept it back meanwhile
 
     async def verify_on_engine(self, step: int | None) -> VerifyReport:
         if step is not None and (type(step) is not int or step < 0):

@@ -52,6 +52,7 @@ class _Commits:
     _retention_locks: dict[int, asyncio.Lock]
     _retention_queued: dict[int, bool]
     _infos: dict[int, dict[int, StepInfo]]
+    _retention_deferred: set[int]
 
     if TYPE_CHECKING:  # defined by Engine and its other parts
 
@@ -229,6 +230,9 @@ class _Commits:
                 for step in tier.retention.to_delete(committed, info):
                     # a step that flights in flight compare with stays until they are done
                     if step in self.protected or step in self.flights or step in self.increments.pins[stage]:
+                        # asked again once that is over (retry_retention): a step whose
+                        # own commit asked for this pass, say, is still in flight here
+                        self._retention_deferred.add(stage)
                         continue
                     hooks.point("retention.before_delete")
                     await self._delete(tier, stage, step)
@@ -263,6 +267,19 @@ class _Commits:
         for step in set(known) - set(committed):  # deleted meanwhile
             del known[step]
         return dict(known)
+
+    def retry_retention(self) -> None:
+        """Run the retention passes that kept a step back because it was still in flight,
+        pinned or being restored (engine loop; after a flight ends or a restore lets go):
+        with snapshots committing out of order, no later commit may come to ask."""
+        if not self._retention_deferred or self._tg is None:
+            return
+        stages, self._retention_deferred = self._retention_deferred, set()
+        for k in sorted(stages):
+            try:
+                self._retain(self.tier_of(k), k)
+            except RuntimeError:  # the task group is shutting down: nothing runs any more
+                return
 
     async def delete_on_tier(self, tier: Tier, stage: int, step: int) -> None:
         """Delete ``step`` on one tier for ``Checkpointer.delete`` (engine loop): under the

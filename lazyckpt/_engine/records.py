@@ -68,6 +68,7 @@ class _Records:
             scale: int = 1,
         ) -> T: ...
         def _release(self, block: Block, adopted: Block | None) -> None: ...
+        def retry_retention(self) -> None: ...
 
     def _count(self, stage: int, nbytes: int, seconds: float = 0.0) -> None:
         name = self.stage_names[stage]
@@ -137,6 +138,7 @@ class _Records:
                 del self.finished[:-_FINISHED_KEPT]
             self._record(flight)
             flight.done.set()
+            self.retry_retention()
 
     def _settle_kept(self, flight: Flight) -> None:
         """Give a host-only chain's snapshot blocks back: free at once if it failed;

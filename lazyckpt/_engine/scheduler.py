@@ -155,6 +155,7 @@ class Engine(_Flows, _Commits, _Records, _Emergency):
         self._retention_queued: dict[int, bool] = {}
         # per durable stage: what retention judges each committed step by (StepInfo)
         self._infos: dict[int, dict[int, StepInfo]] = {}
+        self._retention_deferred: set[int] = set()  # stages whose pass kept a step back
         self._kept_order: asyncio.Lock | None = None
         self._kept_queue: list[Flight] = []  # host-only chain: started flights, step order
         self.closed = False
