@@ -132,6 +132,19 @@ def test_a_data_parallel_restore_reads_each_stored_byte_about_once(tmp_path: Pat
     assert sum(r["sent"] for r in res.values()) > 0
     # manifests, metadata and the interpreter's own reads ride on top of the shards
     assert read <= 1.3 * stored, (read / stored, read, stored)
+    # each saved rank's manifest is read from the tier once in the whole job, by one
+    # rank, and handed to the others (16 reads before: every rank read every manifest)
+    reads = sorted(m for r in res.values() for m in r["manifests_read"])
+    assert reads == [0, 1, 2, 3], reads
+    for rank, r in res.items():
+        assert r["manifests_read"] == [rank]
+    # on 2 ranks, rank 0 hands over saved ranks 0 and 2, rank 1 saved ranks 1 and 3; rank
+    # 1 cannot read rank 3's: both read that one themselves, and the restore is the same
+    flaky = launch("ddp-restore", "flaky", root, tmp_path / "flaky", world=2)
+    for rank, r in flaky.items():
+        assert r["mismatch"] == [], rank
+    assert flaky[0]["manifests_read"] == [0, 2, 3]
+    assert flaky[1]["manifests_read"] == [1, 3]
 
 
 @pytest.mark.parametrize("trained", ["hsdp"], indirect=True)

@@ -1,33 +1,30 @@
-"""Distributed state: DTensor chunks, replicated tensors written once, resharding on restore.
+"""Distributed state on restore: replicated tensors written once, resharding onto any layout.
 
 Snapshot
 --------
-A DTensor on a 1-D device mesh spanning every rank, in rank order (what
-``init_device_mesh(type, (world,))`` and FSDP2's ``fully_shard`` build), with a ``Shard(d)``
-or ``Replicate`` placement, is captured as its local chunk: ``to_local()``, a view, so the
-capture stays lazy. The manifest records the global shape, where the chunk starts in the
-global tensor, and the placement. Anything else (meshes of two or more dimensions,
-``Partial``, strided or custom placements, a mesh that is not the Checkpointer's world) is
-refused with :class:`UnsupportedStateError` at ``snapshot()``.
-
-A replicated tensor (a ``Replicate`` DTensor, or a plain tensor inside :class:`Replicated`)
-is written by one rank only, ``crc32c(key) % world_size``, which spreads the writes over the
-ranks; the others record a ``replica`` entry naming that writer. Plain tensors are never
-assumed identical across ranks: only the user knows they are.
+A DTensor on any mesh is captured as its local chunk, recorded by where torch places it in
+the global tensor (``_distributed.chunks``); a chunk several ranks hold identically (a
+``Replicate`` mesh dimension, a tensor marked :class:`Replicated`) is written by one of them,
+chosen so that each replica group's bytes spread evenly (:func:`assign_writers`); the others
+record a ``replica`` entry naming that writer. Plain tensors are never assumed identical
+across ranks: only the user knows they are.
 
 Restore
 -------
 On the world size it was saved with, with no replica to fetch and ``into=`` chunks where
 they were saved, a rank reads its own manifest and shards only (``_restore.restore.restore_state``).
-Otherwise (:func:`restore_resharded`) each rank works out, per tensor, the region of the
-global tensor it needs, the saved ranks whose chunks overlap it (from the chunking rule,
-checked against their manifests), and reads just the shards holding the overlap:
+Otherwise (:func:`restore_resharded`) the job reads each saved rank's manifest once and hands
+it to the others (:func:`_saved_manifests`); each rank works out, per tensor, the region of
+the global tensor it needs (an N-D box), the saved chunks overlapping it, and the shards
+holding them; a shard several ranks need is read by one and sent to the others
+(:func:`_read_fills`):
 
-- an ``into=`` DTensor receives its own local chunk, whatever its new sharding;
+- an ``into=`` DTensor receives its own local chunk, whatever its new layout;
 - an ``into=`` plain tensor of the global shape receives the whole tensor;
 - without a target, the same world size gives the chunk the rank saved, and a different one
   the full tensor assembled from every saved chunk;
-- plain per-rank tensors and values come from saved rank ``rank % saved_world_size``.
+- plain per-rank tensors and values come from saved rank ``rank % saved_world_size``;
+  pipeline stages (ranks that saved different keys) are grouped and grafted (:func:`_merge_stages`).
 """
 
 from __future__ import annotations
@@ -181,6 +178,76 @@ async def _read_rank_manifest(tiers: Sequence[Tier], step: int, rank: int) -> Ma
         f"step {step}: no tier holds a readable manifest of rank {rank}: "
         + "; ".join(map(str, problems))
     )
+
+
+async def _saved_manifests(
+    base: Manifest,
+    readers: Sequence[Tier],
+    sem: asyncio.Semaphore,
+    exchange: Coordinator | None,
+    rank: int,
+    world_size: int,
+) -> dict[int, Manifest]:
+    """Every saved rank's manifest of ``base.step`` (``base``: this rank's own).
+
+    Alone, a rank reads them all. With the ranks restoring together (``exchange``), the job
+    reads each manifest from the tiers once instead of once per rank: the restoring rank
+    ``j % world_size`` reads saved rank ``j``'s (its own ``base`` where that is the one) and
+    one ``all_gather`` on the control channel hands every rank the others', each checked
+    against its own checksum as it is decoded. A manifest its reader could not read, or
+    that arrives damaged, is read directly from the tiers by every rank that needs it. The
+    parallel file system then sees N manifest reads per restore of an N-rank step, not N²
+    (docs/distributed.md, "How it scales")."""
+    saved = base.world_size
+    manifests: dict[int, Manifest] = {base.rank: base}
+
+    async def read(r: int) -> Manifest:
+        async with sem:
+            return await _read_rank_manifest(readers, base.step, r)
+
+    if exchange is None or world_size == 1:
+        async with asyncio.TaskGroup() as tg:
+            tasks = {r: tg.create_task(read(r)) for r in range(saved) if r != base.rank}
+        manifests.update({r: t.result() for r, t in tasks.items()})
+        return manifests
+    mine = range(rank, saved, world_size)  # every saved rank has one reader
+    sent: dict[int, bytes | None] = {}
+
+    async def read_to_send(r: int) -> None:
+        try:
+            m = base if r == base.rank else await read(r)
+            sent[r] = m.to_json()
+            manifests[r] = m
+        except Exception as exc:  # the others read it themselves
+            log.warning(
+                "lazyckpt: rank %d could not read saved rank %d's manifest: %s", rank, r, exc
+            )
+            sent[r] = None
+
+    async with asyncio.TaskGroup() as tg:
+        for r in mine:
+            tg.create_task(read_to_send(r))
+    missing: list[int] = []
+    for payload in await exchange.gather(0, sent):
+        for r, raw in payload.items():
+            if r in manifests:
+                continue
+            if raw is None:
+                missing.append(r)
+                continue
+            try:
+                got = Manifest.from_json(raw, source=f"saved rank {r}'s manifest, as sent")
+            except CorruptionError:
+                missing.append(r)
+                continue
+            if got.step != base.step or got.rank != r or got.world_size != saved:
+                missing.append(r)
+                continue
+            manifests[r] = got
+    async with asyncio.TaskGroup() as tg:
+        tasks = {r: tg.create_task(read(r)) for r in missing}
+    manifests.update({r: t.result() for r, t in tasks.items()})
+    return manifests
 
 
 def _targets(into: Any) -> dict[str, TensorRef]:
@@ -358,7 +425,12 @@ def _merge_stages(
         source = manifests[min(group)]
         remap: dict[int, int] = {}
 
-        def take(i: int, source: Manifest = source, remap: dict[int, int] = remap, group: frozenset[int] = group) -> int:
+        def take(
+            i: int,
+            source: Manifest = source,
+            remap: dict[int, int] = remap,
+            group: frozenset[int] = group,
+        ) -> int:
             if i not in remap:
                 meta = source.tensors[i]
                 if meta.alias_of is not None:
@@ -378,7 +450,9 @@ def _merge_stages(
             "(such as %r) and come from ranks %s only; save optimizer state keyed by "
             "parameter names (torch.distributed.checkpoint.state_dict."
             "get_optimizer_state_dict) for a restore that keeps every stage's",
-            len(shared), min(shared), sorted(mine),
+            len(shared),
+            min(shared),
+            sorted(mine),
         )
     return replace(base, tensors=tuple(tensors), tree=tree), stage_of, owners
 
@@ -457,15 +531,7 @@ async def restore_resharded(
                 "tier holding the step can read other ranks' parts "
                 f"({[t.name for t in sources]})"
             )
-
-        async def manifest_of(r: int) -> None:
-            async with sem:
-                manifests[r] = await _read_rank_manifest(readers, base.step, r)
-
-        async with asyncio.TaskGroup() as tg:
-            for r in range(base.world_size):
-                if r != base.rank:
-                    tg.create_task(manifest_of(r))
+        manifests = await _saved_manifests(base, readers, sem, exchange, rank, world_size)
     stage_of: dict[str, frozenset[int]] | None = None
     owners: dict[str, int] | None = None
     stages = _stages(manifests) if len(manifests) > 1 else []
@@ -669,7 +735,9 @@ async def _read_fills(
     ranks (``exchange``), a stored shard several ranks need is read by one of them and sent
     to the others, each copy checked against its crc32c on arrival; one that does not
     arrive whole (a sender that failed, damage on the way) is read directly instead."""
-    needs = sorted((r, s, f.manifest.shards[s].length) for r, f in fills.items() for s in f.by_shard)
+    needs = sorted(
+        (r, s, f.manifest.shards[s].length) for r, f in fills.items() for s in f.by_shard
+    )
     plan = _share_plan(await exchange.gather(0, needs)) if exchange is not None else {}
     buffers: dict[tuple[int, int], torch.Tensor] = {}
     received: dict[tuple[int, int], torch.Tensor] = {}  # the sender's status per shard
@@ -690,8 +758,12 @@ async def _read_fills(
         buffer = buffers[(r, s)]
         async with sem:
             await read_verified(
-                fill.manifest, fill.manifest.shards[s], fill.tiers, byte_view(buffer),
-                checksum=checksum, problems=problems,
+                fill.manifest,
+                fill.manifest.shards[s],
+                fill.tiers,
+                byte_view(buffer),
+                checksum=checksum,
+                problems=problems,
             )
 
     async def read_and_send(r: int, s: int) -> None:

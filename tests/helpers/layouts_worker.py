@@ -160,7 +160,9 @@ async def resume(layout: str, root: Path, out: Path) -> dict[str, Any]:
     train_step(model, optim, 0, dp)  # the optimizer's state exists, to be overwritten
     async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
         await ckpt.restore(RESUME_AT, into={"model": model, "optim": optim, **extra})
-    losses = {str(step): train_step(model, optim, step, dp) for step in range(RESUME_AT + 1, STEPS + 1)}
+    losses = {
+        str(step): train_step(model, optim, step, dp) for step in range(RESUME_AT + 1, STEPS + 1)
+    }
     return {"losses": losses}
 
 
@@ -186,7 +188,9 @@ async def dcp_round_trip(layout: str, root: Path, out: Path) -> dict[str, Any]:
     saved = model_full(model, extra)
     msd, osd = get_state_dict(model, optim)
     with lazyckpt.SyncCheckpointer([FileTier(root)], **OPTIONS) as ckpt:
-        dcp.save({"model": msd, "optim": osd, **extra}, storage_writer=LazyStorageWriter(ckpt, step=1))
+        dcp.save(
+            {"model": msd, "optim": osd, **extra}, storage_writer=LazyStorageWriter(ckpt, step=1)
+        )
     other, extra2, _ = build(layout, seed=99)
     optim2 = torch.optim.AdamW(other.parameters(), lr=1e-2)
     train_step(other, optim2, 1, dp)
@@ -228,9 +232,28 @@ async def ddp_save(layout: str, root: Path, out: Path) -> dict[str, Any]:
     return {"stored": stored}
 
 
+class CountingTier(FileTier):
+    """A FileTier that records whose manifests this rank reads; with ``fail_first`` its
+    first read of another rank's manifest fails (a reader that cannot read it)."""
+
+    def __init__(self, *args: Any, fail_first: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.manifests_read: list[int] = []
+        self.fail_first = fail_first
+
+    async def read_rank_manifest(self, step: int, rank: int) -> Any:
+        if self.fail_first and rank != dist.get_rank():
+            self.fail_first = False
+            raise lazyckpt.TierError(f"rank {rank}'s manifest: injected read failure")
+        self.manifests_read.append(rank)
+        return await super().read_rank_manifest(step, rank)
+
+
 async def ddp_restore(layout: str, root: Path, out: Path) -> dict[str, Any]:
     target = ddp_state(99)
-    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+    # layout "flaky": rank 1 cannot read the first other rank's manifest it tries
+    tier = CountingTier(root, fail_first=layout == "flaky" and dist.get_rank() == 1)
+    async with lazyckpt.Checkpointer([tier], **OPTIONS) as ckpt:
         before = _read_bytes()
         await ckpt.restore(1, into=target)
         read = _read_bytes() - before
@@ -243,6 +266,7 @@ async def ddp_restore(layout: str, root: Path, out: Path) -> dict[str, Any]:
         "sent": sent,
         "mismatch": [k for k in expected if not torch.equal(expected[k], got[k])],
         "rank_value": target["rank"],
+        "manifests_read": tier.manifests_read,
     }
 
 
