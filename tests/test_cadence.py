@@ -402,15 +402,15 @@ def test_sigterm_on_two_ranks_commits_the_emergency_copy_on_both(tmp_path: Path)
     world = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
     world["MASTER_PORT"] = str(free_port())
     ends = _preempt([_child(tmp_path, "cadence", RANK=str(r), **world) for r in range(2)])
-    for code, _out, err in ends:
-        assert code == -signal.SIGTERM, err[-3000:]
-        assert "emergency copy of step 2 committed on ['pfs']" in err
+    for rank, (code, out, err) in enumerate(ends):
+        assert code == -signal.SIGTERM, (rank, out, err[-3000:])
+        assert "emergency copy of step 2 committed on ['pfs']" in err, (rank, out, err[-3000:])
     world["MASTER_PORT"] = str(free_port())
     restores = [_child(tmp_path, "restore-pfs", RANK=str(r), **world) for r in range(2)]
-    for child in restores:
+    for rank, child in enumerate(restores):
         out, err = child.communicate(timeout=120)
-        assert child.returncode == 0, err[-3000:]
-        assert out == "restored step 2 True\n"
+        assert child.returncode == 0, (rank, err[-3000:])
+        assert out == "restored step 2 True\n", (rank, out, err[-3000:])
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The layouts large runs use, built with torch's own parallelism APIs on 4 gloo ranks: HSDP
 (``fully_shard`` on a 2-D mesh, with an expert weight sharded over a sub-mesh), FSDP over
-tensor parallelism (``parallelize_module`` then ``fully_shard``), and pipeline stages each
-sharded over its own ranks. Each snapshots every step with the guard on, resumes in a fresh
+tensor parallelism (``parallelize_module`` then ``fully_shard``), and two pipeline stages
+run by ``torch.distributed.pipelining``, each sharded over its own ranks. Each snapshots every step with the guard on, resumes in a fresh
 set of processes with the uninterrupted run's losses bit for bit, and restores onto another
 layout (FSDP over all 4 ranks, and one process) with every tensor bit for bit."""
 
@@ -51,6 +51,8 @@ def test_resume_on_the_same_layout_matches_the_uninterrupted_losses(
     resumed = launch("resume", layout, root, tmp_path / "resume")
     for rank, r in resumed.items():
         assert r["losses"] == saved[rank]["losses"], rank  # floats, compared exactly
+    # (under pipelining only the last stage has losses; they depend on every stage)
+    assert any(v != 0.0 for r in resumed.values() for v in r["losses"].values())
 
 
 def _saved_full(saved: dict[int, Any], layout: str) -> dict[str, torch.Tensor]:
@@ -102,6 +104,26 @@ def test_one_process_restores_full_tensors(
         assert any(k.startswith("model/layers.1.") for k in got)
         assert "saved by several of them" in caplog.text
     assert got.keys() == expected.keys()
+    for k, v in got.items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_unsharded_pipeline_stages_resume_and_come_back_whole_in_one_process(
+    tmp_path: Path,
+) -> None:
+    # each rank holds its stage's plain tensors under their own names: one process restoring
+    # the step gets every stage's layers, each from its own rank
+    root = tmp_path / "ckpt"
+    saved = launch("train", "pp_plain", root, tmp_path / "train", world=2)
+    expected = _saved_full(saved, "pp_plain")
+    resumed = launch("resume", "pp_plain", root, tmp_path / "resume", world=2)
+    for rank, r in resumed.items():
+        assert r["losses"] == saved[rank]["losses"], rank
+    assert any(v != 0.0 for v in resumed[1]["losses"].values())
+    with lazyckpt.SyncCheckpointer([FileTier(root)]) as ckpt:
+        state = ckpt.restore(3)
+    got = {f"model/{k}": v for k, v in state["model"].items()}
+    assert sorted(got) == sorted(expected)
     for k, v in got.items():
         assert torch.equal(v, expected[k]), k
 

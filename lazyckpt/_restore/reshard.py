@@ -524,14 +524,18 @@ async def restore_resharded(
     # where every chunk lies is in the saved ranks' manifests: read them all, once each,
     # when anything is distributed (the chunks of any layout are boxes of the global tensor)
     manifests: dict[int, Manifest] = {base.rank: base}
-    if any(m.placements is not None for m in base.tensors) and base.world_size > 1:
-        if not readers:
+    # onto another world size, a state of plain per-rank tensors needs them too: its ranks
+    # may have saved different parts of it (pipeline stages without sharding)
+    distributed = any(m.placements is not None for m in base.tensors)
+    if base.world_size > 1 and (distributed or world_size != base.world_size):
+        if readers:
+            manifests = await _saved_manifests(base, readers, sem, exchange, rank, world_size)
+        elif distributed:
             raise CorruptionError(
                 f"step {base.step}: rank {rank} needs the other ranks' manifests, but no "
                 "tier holding the step can read other ranks' parts "
                 f"({[t.name for t in sources]})"
             )
-        manifests = await _saved_manifests(base, readers, sem, exchange, rank, world_size)
     stage_of: dict[str, frozenset[int]] | None = None
     owners: dict[str, int] | None = None
     stages = _stages(manifests) if len(manifests) > 1 else []

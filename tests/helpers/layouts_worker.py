@@ -7,8 +7,11 @@ Layouts of a two-block MLP trained with AdamW:
   sharded over the mesh's shard dimension and replicated over the other;
 - ``fsdp_tp``: ``parallelize_module`` (colwise, rowwise) on the ``tp`` dimension, then
   ``fully_shard`` on ``dp`` (FSDP2 over tensor parallelism: strided shards);
-- ``pp``: two pipeline stages, each ``fully_shard`` over its own pair of ranks, each
-  rank holding only its stage's block (the full model's names kept);
+- ``pp``: two pipeline stages run by ``torch.distributed.pipelining`` (``PipelineStage``,
+  ``ScheduleGPipe``, two microbatches), each stage ``fully_shard`` over its own pair of
+  ranks, each rank holding only its stage's block (the full model's names kept);
+- ``pp_plain``: the same two stages on 2 ranks, one stage each, nothing sharded (each
+  rank's tensors are plain, under its own stage's names);
 - ``fsdp``: ``fully_shard`` over every rank (a 1-D mesh), the target of other layouts;
 - ``tp``: ``parallelize_module`` (colwise, rowwise) over every rank.
 
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -90,6 +94,12 @@ def build(layout: str, seed: int) -> tuple[torch.nn.Module, dict[str, Any], Any]
         for block in model.layers.values():
             parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         return model, extra, 0  # every rank sees the same batch
+    if layout == "pp_plain":  # a pipeline stage per rank, nothing sharded: plain tensors
+        stage = dist.get_rank()
+        del model.layers[str(1 - stage)]
+        pipe = PipelineStage(model, stage, 2, torch.device("cpu"))
+        schedules[model] = (ScheduleGPipe(pipe, n_microbatches=2, loss_fn=_pipeline_loss), pipe)
+        return model, extra, 0
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     if layout == "hsdp":
         for block in model.layers.values():
@@ -106,10 +116,14 @@ def build(layout: str, seed: int) -> tuple[torch.nn.Module, dict[str, Any], Any]
         fully_shard(model, mesh=mesh["a"])
         return model, extra, mesh.get_coordinate()[0]  # the tp ranks see the same batch
     if layout == "pp":
-        stage = mesh.get_coordinate()[0]
+        stage, dp = mesh.get_coordinate()
         del model.layers[str(1 - stage)]  # this stage's block only, under its full name
         fully_shard(model.layers[str(stage)], mesh=mesh["b"])
-        return model, extra, dist.get_rank()
+        # torch's own pipelining: stage 0 of each data-parallel pair sends its activations
+        # to stage 1, which computes the loss, and the gradients come back
+        pipe = PipelineStage(model, stage, 2, torch.device("cpu"), group=mesh["a"].get_group())
+        schedules[model] = (ScheduleGPipe(pipe, n_microbatches=2, loss_fn=_pipeline_loss), pipe)
+        return model, extra, dp
     raise SystemExit(f"unknown layout {layout}")
 
 
@@ -117,8 +131,28 @@ def batch(step: int, dp: int) -> torch.Tensor:
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + dp))
 
 
+def _pipeline_loss(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+# a pipeline stage's schedule and stage, by its model
+schedules: dict[torch.nn.Module, tuple[ScheduleGPipe, PipelineStage]] = {}
+
+
 def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, dp: int) -> float:
+    """One step; its loss (under pipelining, the last stage's mean over the microbatches,
+    0.0 on the first stage, whose weights the last stage's losses depend on)."""
     optim.zero_grad()
+    if model in schedules:
+        schedule, stage = schedules[model]
+        x = batch(step, dp)
+        losses: list[torch.Tensor] = []
+        if stage.is_first:
+            schedule.step(x)
+        else:
+            schedule.step(target=torch.zeros_like(x), losses=losses)
+        optim.step()
+        return float(torch.stack([v.detach() for v in losses]).mean()) if losses else 0.0
     loss = model(batch(step, dp)).pow(2).mean()
     loss.backward()
     optim.step()
