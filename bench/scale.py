@@ -300,7 +300,7 @@ def markdown(doc: dict[str, Any]) -> str:
             )
         lines.extend([
             "", f"## {title}: restore", "",
-            "| ranks | tensors/rank | lazyckpt planning: to first read (ms) | manifests read per rank | manifest reads, summed (ms) | lazyckpt restore (ms) | read / stored | lazyckpt calls (own groups) | `dcp.load` planning: to first read (ms) | `dcp.load` total (ms) | read / stored | DCP calls/load |",
+            "| ranks | tensors/rank | lazyckpt planning: to first read (ms) | other ranks' manifests read from the tier, per rank | manifest reads, summed (ms) | lazyckpt restore (ms) | read / stored | lazyckpt calls (own groups) | `dcp.load` planning: to first read (ms) | `dcp.load` total (ms) | read / stored | DCP calls/load |",
             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
         ])
         for label, a in rows:

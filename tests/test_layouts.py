@@ -7,7 +7,9 @@ layout (FSDP over all 4 ranks, and one process) with every tensor bit for bit.""
 
 from __future__ import annotations
 
+import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,22 +66,21 @@ def _saved_full(saved: dict[int, Any], layout: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("trained", "target", "world"),
-    [
-        ("hsdp", "fsdp", 4),
-        ("hsdp", "fsdp", 2),
-        ("fsdp_tp", "fsdp", 4),
-        ("fsdp_tp", "tp", 4),
-        ("pp", "fsdp", 4),
-        ("pp", "fsdp", 2),
-    ],
-    indirect=["trained"],
-)
+# the layouts each saved layout is restored onto (layout, world size); the saved layout
+# comes from the module fixture's own parameter, so that each is trained once
+TARGETS = {
+    "hsdp": [("fsdp", 4), ("fsdp", 2)],
+    "fsdp_tp": [("fsdp", 4), ("tp", 4)],
+    "pp": [("fsdp", 4), ("fsdp", 2)],
+}
+
+
+@pytest.mark.parametrize("case", [0, 1])
 def test_another_layout_restores_every_tensor_bit_for_bit(
-    trained: tuple[str, Path, dict[int, Any]], target: str, world: int, tmp_path: Path
+    trained: tuple[str, Path, dict[int, Any]], case: int, tmp_path: Path
 ) -> None:
     layout, root, saved = trained
+    target, world = TARGETS[layout][case]
     expected = _saved_full(saved, layout)
     got = launch("reshard", target, root, tmp_path / "reshard", world)
     for rank, r in got.items():
@@ -131,12 +132,19 @@ def test_unsharded_pipeline_stages_resume_and_come_back_whole_in_one_process(
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
 def test_the_dcp_backend_saves_and_loads_a_2d_layout(layout: str, tmp_path: Path) -> None:
     """``dcp.save``/``dcp.load`` through ``LazyStorageWriter``/``LazyStorageReader``, with
-    torch's own state-dict helpers, on HSDP and FSDP over tensor parallelism."""
+    torch's own state-dict helpers, on HSDP and FSDP over tensor parallelism; then
+    ``dcp.load`` of that step onto FSDP over the 4 ranks (resharded)."""
     res = launch("dcp", layout, tmp_path / "ckpt", tmp_path / "out")
     for rank, r in res.items():
         assert r["mismatch"] == [], rank
         first, second = r["next_loss"]
         assert first == second, rank
+    saved = res[0]["saved"]
+    got = launch("dcp-load", "fsdp", tmp_path / "ckpt", tmp_path / "onto-fsdp")
+    for rank, r in got.items():
+        assert r["restored"].keys() == saved.keys(), rank
+        for k, v in r["restored"].items():
+            assert torch.equal(torch.tensor(v), torch.tensor(saved[k])), (rank, k)
 
 
 def test_a_data_parallel_restore_reads_each_stored_byte_about_once(tmp_path: Path) -> None:
@@ -184,6 +192,36 @@ def test_a_layout_that_cannot_be_mapped_is_refused_before_anything_loads(
             ckpt.restore(3, into=target)
     assert info.value.key == f"model/{key}"
     assert all(not v.any() for k, v in target["model"].items() if k != key)  # nothing loaded
+
+
+@pytest.mark.parametrize("trained", ["hsdp"], indirect=True)
+def test_saved_ranks_that_disagree_about_a_tensor_are_refused_by_key(
+    trained: tuple[str, Path, dict[int, Any]], tmp_path: Path
+) -> None:
+    # rank 1's manifest says another global shape for one DTensor than rank 0's (ranks
+    # that ran different models): a typed error naming the key and both, nothing loaded
+    from lazyckpt._format.manifest import Manifest
+
+    _, root, _ = trained
+    copy = tmp_path / "ckpt"
+    shutil.copytree(root, copy)
+    part = next(copy.glob("step-*3")) / "rank-00001.json"
+    m = Manifest.from_json(part.read_bytes())
+    key = "model/layers.0.w1.weight"
+    tensors = tuple(
+        replace(t, global_shape=(64, *t.global_shape[1:]))
+        if t.key == key and t.global_shape is not None
+        else t
+        for t in m.tensors
+    )
+    part.write_bytes(replace(m, tensors=tensors).to_json())
+    with (
+        lazyckpt.SyncCheckpointer([FileTier(copy)]) as ckpt,
+        pytest.raises(lazyckpt.StateMismatchError, match="disagree") as info,
+    ):
+        ckpt.restore(3)
+    assert info.value.key == key
+    assert "[32, 16]" in str(info.value) and "[64, 16]" in str(info.value)
 
 
 def test_tensor_parallel_on_2_ranks_restores_on_4(tmp_path: Path) -> None:

@@ -380,11 +380,27 @@ def _held_boxes(
     """Per tensor key, the boxes of the global tensor each saved rank stores itself (only
     from the ranks of the stage the key is restored from, where ``stage_of`` says so)."""
     held: dict[str, list[tuple[int, Box]]] = {}
+    seen: dict[str, tuple[int, TensorMeta]] = {}  # the first saved rank's entry, per key
     for r, m in sorted(manifests.items()):
         for meta in m.tensors:
             if stage_of is not None and r not in stage_of.get(meta.key, (r,)):
                 continue
-            if meta.placements is None or meta.mode == "replica":
+            if meta.placements is None:
+                continue
+            first, other = seen.setdefault(meta.key, (r, meta))
+            if other.global_shape != meta.global_shape or other.dtype != meta.dtype:
+                raise StateMismatchError(
+                    f"the saved ranks disagree about the distributed tensor {meta.key!r}: "
+                    f"rank {first} saved it as {other.dtype}{list(other.global_shape or ())} "
+                    f"placed {list(other.placements or ())}, rank {r} as {meta.dtype}"
+                    f"{list(meta.global_shape or ())} placed {list(meta.placements)}; its "
+                    "chunks cannot be put together (were the ranks running different "
+                    "models?); nothing was loaded",
+                    key=meta.key,
+                    missing=[],
+                    unexpected=[],
+                )
+            if meta.mode == "replica":
                 continue
             assert meta.global_offset is not None
             held.setdefault(meta.key, []).append((r, _box(meta.global_offset, meta.shape)))
@@ -457,15 +473,43 @@ def _merge_stages(
     return replace(base, tensors=tuple(tensors), tree=tree), stage_of, owners
 
 
-def _graft(into: Any, other: Any, take: Callable[[int], int]) -> Any:
+def _graft_values(base: Manifest, manifests: Mapping[int, Manifest]) -> Manifest:
+    """``base`` with the dict entries holding no tensor that only other saved ranks saved,
+    from the lowest such rank: values keyed by a rank coordinate (torchtitan keeps its
+    dataloader's position under ``dp_rank_<d>``, and after a layout change the rank that
+    restores data-parallel rank d is not the one that saved it). Every key saved by any
+    rank can then be found, as with DCP; a restoring rank's own values stay its own."""
+    tree = base.tree
+    for r, m in sorted(manifests.items()):
+        if r != base.rank and m.tree != tree:
+            tree = _graft(tree, m.tree, _no_tensor, values_only=True)
+    return base if tree is base.tree else replace(base, tree=tree)
+
+
+def _no_tensor(i: int) -> int:
+    raise AssertionError(f"tensor {i} grafted as a value")
+
+
+def _has_tensor(node: Any) -> bool:
+    if isinstance(node, dict):
+        if set(node) == {"$tensor"}:
+            return True
+        return any(_has_tensor(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_tensor(v) for v in node)
+    return False
+
+
+def _graft(into: Any, other: Any, take: Callable[[int], int], values_only: bool = False) -> Any:
     """``into`` (a tree as manifests keep it) with every entry of the dicts of ``other``
-    it lacks, at the same place, their tensors renumbered by ``take``."""
+    it lacks, at the same place, their tensors renumbered by ``take`` (``values_only``:
+    only the entries holding no tensor)."""
     if (
         isinstance(into, dict)
         and isinstance(other, dict)
         and set(into) == set(other) == {"$stateful"}  # a module's or optimizer's state dict
     ):
-        return {"$stateful": _graft(into["$stateful"], other["$stateful"], take)}
+        return {"$stateful": _graft(into["$stateful"], other["$stateful"], take, values_only)}
     if not (_is_dict(into) and _is_dict(other)):
         return into
     have = {_entry_key(k): i for i, (k, _) in enumerate(into["$dict"])}
@@ -473,9 +517,10 @@ def _graft(into: Any, other: Any, take: Callable[[int], int]) -> Any:
     for k, v in other["$dict"]:
         at = have.get(_entry_key(k))
         if at is None:
-            entries.append([k, _renumbered(v, take)])
+            if not (values_only and _has_tensor(v)):
+                entries.append([k, _renumbered(v, take)])
         else:
-            entries[at] = [entries[at][0], _graft(entries[at][1], v, take)]
+            entries[at] = [entries[at][0], _graft(entries[at][1], v, take, values_only)]
     return {"$dict": entries}
 
 
@@ -549,6 +594,8 @@ async def restore_resharded(
         else:  # the same layout: this rank's stage only
             mine = next(g for g in stages if base.rank in g)
             stage_of = {t.key: mine for t in base.tensors}
+    if len(manifests) > 1:
+        base = _graft_values(base, manifests)
     # the keys, and the optimizers' groups and state shapes (global shapes: a DTensor's
     # entry gives its global shape, as a DTensor parameter's .shape is), are checked
     # before any tensor data is read

@@ -240,8 +240,25 @@ async def dcp_round_trip(layout: str, root: Path, out: Path) -> dict[str, Any]:
     # and the losses of the next step agree
     return {
         "mismatch": mismatch,
+        "saved": {k: v.tolist() for k, v in saved.items() if k.startswith("model/")},
         "next_loss": [train_step(model, optim, 2, dp), train_step(other, optim2, 2, dp)],
     }
+
+
+async def dcp_load(layout: str, root: Path, out: Path) -> dict[str, Any]:
+    """``dcp.load`` of the model ``dcp_round_trip`` saved (on another layout) into this
+    layout's model, with torch's own state-dict helpers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from lazyckpt.integrations.dcp import LazyStorageReader
+
+    model, extra, _ = build(layout, seed=99)
+    state = {"model": get_model_state_dict(model)}
+    with lazyckpt.SyncCheckpointer([FileTier(root)], **OPTIONS) as ckpt:
+        dcp.load(state, storage_reader=LazyStorageReader(ckpt, step=1))
+    set_model_state_dict(model, state["model"])
+    return {"restored": {k: v.tolist() for k, v in model_full(model, extra).items()}}
 
 
 def ddp_state(seed: int) -> dict[str, Any]:
@@ -309,6 +326,7 @@ SCENARIOS = {
     "resume": resume,
     "reshard": reshard,
     "dcp": dcp_round_trip,
+    "dcp-load": dcp_load,
     "ddp-save": ddp_save,
     "ddp-restore": ddp_restore,
 }

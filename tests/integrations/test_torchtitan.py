@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -272,6 +273,58 @@ def test_fsdp2_saved_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     assert loaded["differ"] == []  # model and optimizer, gathered, bit for bit
     assert loaded["step"] == 4
     assert loaded["lr_epoch"] == 4
+
+
+@pytest.fixture(scope="module", params=["hsdp", "fsdp_tp"])
+def saved_2d(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, Path]:
+    """4 ranks trained and saved through the manager on a 2-D layout: the layout, the base
+    folder, and the folder holding what rank 0 wrote (``expected.pt``, ``saved.json``)."""
+    layout = str(request.param)
+    base = tmp_path_factory.mktemp(layout)
+    out = base / "out"
+    out.mkdir()
+    launch_ranks(WORKER, [f"save-{layout}", str(base), str(out)], 4, timeout=170)
+    saved = rank_results(out)
+    assert sorted(saved) == [0, 1, 2, 3]
+    assert all(r["steps"] == [2, 4] for r in saved.values())
+    return layout, base, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 2])
+@pytest.mark.parametrize("saved_2d", ["hsdp", "fsdp_tp"], indirect=True)
+def test_a_2d_layout_saved_loads_onto_fsdp(
+    saved_2d: tuple[str, Path, Path], world: int, tmp_path: Path
+) -> None:
+    """HSDP 2x2, and FSDP over tensor parallelism 2x2, saved through the manager, load
+    through ``manager.load()`` onto FSDP over another number of ranks (resharded)."""
+    layout, base, saved_out = saved_2d
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("expected.pt", "saved.json"):
+        shutil.copy(saved_out / name, out / name)
+    launch_ranks(WORKER, ["load-fsdp", str(base), str(out)], world, timeout=170)
+    loaded = rank_results(out)
+    assert sorted(loaded) == list(range(world))
+    # the dataloader loads where the data-parallel degree is the saved one: HSDP's 4, FSDP
+    # over tensor parallelism's 2
+    same_degree = world == {"hsdp": 4, "fsdp_tp": 2}[layout]
+    resumes = {}
+    for rank, r in loaded.items():
+        assert r["loaded"], rank
+        assert r["differ"] == [], rank  # model and optimizer, gathered, bit for bit
+        assert r["layout_kept"], rank  # still FSDP over this world, as built
+        assert r["step"] == 4, rank
+        assert r["lr_epoch"] == 4, rank
+        assert r["dataloader_loaded"] == same_degree, rank
+        if same_degree:
+            resumes[rank] = r["next_batch_resumes"]
+    # torchtitan keys the dataloader's state by data-parallel rank: on FSDP x TP 2x2 dp
+    # rank 1's was saved by ranks 2 and 3 only, and on 2 ranks rank 1 restores it (a value
+    # only other ranks saved is found by its key, as with DCP)
+    assert all(resumes.values()), resumes
 
 
 def test_the_config_serializes_as_torchtitan_logs_it() -> None:
