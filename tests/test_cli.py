@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import fractions
+import functools
 import io
 import json
 import math
@@ -31,6 +32,7 @@ from lazyckpt.cli import (
     ShardReader,
     resolve_location,
 )
+from lazyckpt.cli import _console as cli_console
 from lazyckpt.testing import build_snapshot
 from tiers import FileTier, HostMemoryTier
 
@@ -423,10 +425,12 @@ def test_a_slow_ls_counts_snapshots_on_stderr(
     slow = FileTier.read_manifest
 
     async def read_manifest(self: FileTier, step: int) -> Manifest:
-        await asyncio.sleep(5.1)  # past the 5 s between two progress lines
+        await asyncio.sleep(0.6)  # past the 0.5 s between two progress lines set below
         return await slow(self, step)
 
     monkeypatch.setattr(FileTier, "read_manifest", read_manifest)
+    # the console's progress with its plain-line interval (5 s) cut to 0.5 s
+    monkeypatch.setattr(cli_console, "Progress", functools.partial(Progress, interval=0.5))
     code, out, err = run("ls", root)
     assert code == EXIT_OK
     assert [line.split()[0] for line in out.splitlines()[1:]] == [str(s) for s in STEPS]

@@ -125,8 +125,8 @@ async def test_server_gone_fails_the_snapshot_not_the_training(
     tier = ZarrTier(
         f"s3://{info.bucket}/run",
         **info.tier_options(),
-        retries=2,
-        retry_timeout=5,
+        retries=1,  # one retry, a second after the first failure: it still fails quickly
+        retry_timeout=1,
         connect_timeout=1,
     )
     model = torch.nn.Linear(64, 32)

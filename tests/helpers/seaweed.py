@@ -532,6 +532,9 @@ def seaweed_handle(tmp_path: Path) -> Iterator[SeaweedHandle]:
     try:
         yield handle
     finally:
+        # the test's own server, thrown away with its data: SIGKILL, no graceful stop to
+        # wait for (4 s idle, up to STOP_TIMEOUT after a restart under a writer)
+        handle.kill()
         stop_seaweed(handle)
 
 
