@@ -402,9 +402,10 @@ def test_sigterm_on_two_ranks_commits_the_emergency_copy_on_both(tmp_path: Path)
     world = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
     world["MASTER_PORT"] = str(free_port())
     ends = _preempt([_child(tmp_path, "cadence", RANK=str(r), **world) for r in range(2)])
-    for rank, (code, out, err) in enumerate(ends):
-        assert code == -signal.SIGTERM, (rank, out, err[-3000:])
-        assert "emergency copy of step 2 committed on ['pfs']" in err, (rank, out, err[-3000:])
+    said = [(rank, code, out, err[-3000:]) for rank, (code, out, err) in enumerate(ends)]
+    for code, _out, err in ends:
+        assert code == -signal.SIGTERM, said
+        assert "emergency copy of step 2 committed on ['pfs']" in err, said
     world["MASTER_PORT"] = str(free_port())
     restores = [_child(tmp_path, "restore-pfs", RANK=str(r), **world) for r in range(2)]
     for rank, child in enumerate(restores):
