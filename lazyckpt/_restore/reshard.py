@@ -197,7 +197,7 @@ async def _saved_manifests(
     against its own checksum as it is decoded. A manifest its reader could not read, or
     that arrives damaged, is read directly from the tiers by every rank that needs it. The
     parallel file system then sees N manifest reads per restore of an N-rank step, not N²
-    (docs/distributed.md, "How it scales")."""
+    (docs/distributed.md, "Modelled: 16 to 16,000 ranks")."""
     saved = base.world_size
     manifests: dict[int, Manifest] = {base.rank: base}
 
@@ -205,10 +205,16 @@ async def _saved_manifests(
         async with sem:
             return await _read_rank_manifest(readers, base.step, r)
 
-    if exchange is None or world_size == 1:
-        async with asyncio.TaskGroup() as tg:
-            tasks = {r: tg.create_task(read(r)) for r in range(saved) if r != base.rank}
+    async def read_all(ranks: Sequence[int]) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = {r: tg.create_task(read(r)) for r in ranks}
+        except ExceptionGroup as group:
+            raise first_error(group) from None
         manifests.update({r: t.result() for r, t in tasks.items()})
+
+    if exchange is None or world_size == 1:
+        await read_all([r for r in range(saved) if r != base.rank])
         return manifests
     mine = range(rank, saved, world_size)  # every saved rank has one reader
     sent: dict[int, bytes | None] = {}
@@ -244,9 +250,7 @@ async def _saved_manifests(
                 missing.append(r)
                 continue
             manifests[r] = got
-    async with asyncio.TaskGroup() as tg:
-        tasks = {r: tg.create_task(read(r)) for r in missing}
-    manifests.update({r: t.result() for r, t in tasks.items()})
+    await read_all(missing)
     return manifests
 
 
