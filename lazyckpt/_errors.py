@@ -221,7 +221,9 @@ class SnapshotInFlightError(LazyCkptError):
 
 
 class CoordinationError(LazyCkptError):
-    """The ranks disagree about what they are committing (different steps, different order)."""
+    """The ranks disagree about what they are committing (different steps, different order),
+    or another rank refused a restore the ranks make together (its error is in the message;
+    nothing was loaded)."""
 
 
 class SnapshotFailedError(ExceptionGroup[Exception], LazyCkptError):

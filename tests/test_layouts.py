@@ -195,6 +195,21 @@ def test_a_layout_that_cannot_be_mapped_is_refused_before_anything_loads(
 
 
 @pytest.mark.parametrize("trained", ["hsdp"], indirect=True)
+def test_a_rank_that_refuses_a_restore_makes_every_rank_raise(
+    trained: tuple[str, Path, dict[int, Any]], tmp_path: Path
+) -> None:
+    # rank 1's target does not fit: it raises before reading anything, and the other ranks,
+    # which would have waited for its needs, raise too instead of waiting for a timeout
+    _, root, _ = trained
+    got = launch("refuse", "fsdp", root, tmp_path / "refuse")
+    assert got[1]["error"] == "StateMismatchError", got[1]
+    for rank in (0, 2, 3):
+        assert got[rank]["error"] == "CoordinationError", got[rank]
+        assert "rank 1 refused the restore (StateMismatchError" in got[rank]["message"]
+    assert not any(r["loaded"] for r in got.values())
+
+
+@pytest.mark.parametrize("trained", ["hsdp"], indirect=True)
 def test_saved_ranks_that_disagree_about_a_tensor_are_refused_by_key(
     trained: tuple[str, Path, dict[int, Any]], tmp_path: Path
 ) -> None:
@@ -222,6 +237,16 @@ def test_saved_ranks_that_disagree_about_a_tensor_are_refused_by_key(
         ckpt.restore(3)
     assert info.value.key == key
     assert "[32, 16]" in str(info.value) and "[64, 16]" in str(info.value)
+
+
+def test_replicas_restored_through_the_host_tier_read_with_the_durable_tiers_manifest(
+    tmp_path: Path,
+) -> None:
+    # a rank hands the others its manifest as the tiers they read from hold it, not the
+    # host tier's copy it restores its own shards with (incremental: they differ)
+    got = launch("host-incremental", "fsdp", tmp_path / "ckpt", tmp_path / "out", world=2)
+    for rank, r in got.items():
+        assert r["mismatch"] == [], rank
 
 
 def test_tensor_parallel_on_2_ranks_restores_on_4(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ holding them; a shard several ranks need is read by one and sent to the others
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -43,6 +44,7 @@ from .._distributed.chunks import ReplicatedMarker, balance_writers
 from .._distributed.coordinator import Coordinator
 from .._errors import (
     ConfigurationError,
+    CoordinationError,
     CorruptionError,
     SnapshotNotFoundError,
     StateMismatchError,
@@ -182,22 +184,24 @@ async def _read_rank_manifest(tiers: Sequence[Tier], step: int, rank: int) -> Ma
 
 async def _saved_manifests(
     base: Manifest,
+    sources: Sequence[Tier],
     readers: Sequence[Tier],
     sem: asyncio.Semaphore,
     exchange: Coordinator | None,
     rank: int,
     world_size: int,
 ) -> dict[int, Manifest]:
-    """Every saved rank's manifest of ``base.step`` (``base``: this rank's own).
+    """Every saved rank's manifest of ``base.step`` (``base``: this rank's own, read from
+    ``sources``; the others' from ``readers``).
 
-    Alone, a rank reads them all. With the ranks restoring together (``exchange``), the job
-    reads each manifest from the tiers once instead of once per rank: the restoring rank
-    ``j % world_size`` reads saved rank ``j``'s (its own ``base`` where that is the one) and
-    one ``all_gather`` on the control channel hands every rank the others', each checked
-    against its own checksum as it is decoded. A manifest its reader could not read, or
-    that arrives damaged, is read directly from the tiers by every rank that needs it. The
-    parallel file system then sees N manifest reads per restore of an N-rank step, not N²
-    (docs/distributed.md, "Modelled: 16 to 16,000 ranks")."""
+        Alone, a rank reads them all. With the ranks restoring together (``exchange``), the job
+        reads each manifest from the tiers once instead of once per rank: the restoring rank
+        ``j % world_size`` reads saved rank ``j``'s (its own ``base`` where that is the one) and
+        one ``all_gather`` on the control channel hands every rank the others', each checked
+        against its own checksum as it is decoded. A manifest its reader could not read, or
+        that arrives damaged, is read directly from the tiers by every rank that needs it. The
+        parallel file system then sees N manifest reads per restore of an N-rank step, not N²
+        (docs/distributed.md, "Modelled: 16 to 16,000 ranks")."""
     saved = base.world_size
     manifests: dict[int, Manifest] = {base.rank: base}
 
@@ -218,12 +222,17 @@ async def _saved_manifests(
         return manifests
     mine = range(rank, saved, world_size)  # every saved rank has one reader
     sent: dict[int, bytes | None] = {}
+    # a manifest differs from tier to tier (a durable tier's refers unchanged shards to the
+    # step storing them; the host tier's does not): the others read with the readers, so
+    # they get the readers' copy; ``base`` is that copy when it came from the first of them
+    base_is_readers = bool(sources) and sources[0] is readers[0]
 
     async def read_to_send(r: int) -> None:
         try:
-            m = base if r == base.rank else await read(r)
+            m = base if r == base.rank and base_is_readers else await read(r)
             sent[r] = m.to_json()
-            manifests[r] = m
+            if r != base.rank:  # this rank reads its own shards with its own copy
+                manifests[r] = m
         except Exception as exc:  # the others read it themselves
             log.warning(
                 "lazyckpt: rank %d could not read saved rank %d's manifest: %s", rank, r, exc
@@ -292,6 +301,14 @@ class _Wanted:
     staging: torch.Tensor  # contiguous CPU, the region's shape
     final: torch.Tensor
     value: torch.Tensor  # what the restored state holds (a DTensor target itself)
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """Sent in place of a rank's needs when it refuses the restore: the others raise too."""
+
+    rank: int
+    error: str
 
 
 @dataclass
@@ -391,6 +408,8 @@ def _held_boxes(
                 continue
             if meta.placements is None:
                 continue
+            if stage_of is not None and meta.key not in stage_of:
+                continue  # another stage's key: this rank restores nothing of it
             first, other = seen.setdefault(meta.key, (r, meta))
             if other.global_shape != meta.global_shape or other.dtype != meta.dtype:
                 raise StateMismatchError(
@@ -495,8 +514,10 @@ def _no_tensor(i: int) -> int:
 
 
 def _has_tensor(node: Any) -> bool:
+    """Whether ``node`` holds a tensor (or a pickled value: a rank restores only the pickles
+    it saved itself, which ``allow_pickle`` was checked against)."""
     if isinstance(node, dict):
-        if set(node) == {"$tensor"}:
+        if set(node) == {"$tensor"} or set(node) == {"$pickle"}:
             return True
         return any(_has_tensor(v) for v in node.values())
     if isinstance(node, list):
@@ -523,7 +544,7 @@ def _graft(into: Any, other: Any, take: Callable[[int], int], values_only: bool 
         if at is None:
             if not (values_only and _has_tensor(v)):
                 entries.append([k, _renumbered(v, take)])
-        else:
+        elif entries[at][1] != v:  # equal subtrees (most of them) have nothing to graft
             entries[at] = [entries[at][0], _graft(entries[at][1], v, take, values_only)]
     return {"$dict": entries}
 
@@ -532,8 +553,9 @@ def _is_dict(node: Any) -> bool:
     return isinstance(node, dict) and set(node) == {"$dict"}
 
 
-def _entry_key(k: Any) -> str:
-    return json.dumps(k, sort_keys=True)
+def _entry_key(k: Any) -> Any:
+    # a str key as it is (most keys); any other in a tuple, so that 1 and "1" differ
+    return k if type(k) is str else (json.dumps(k, sort_keys=True),)
 
 
 def _renumbered(node: Any, take: Callable[[int], int]) -> Any:
@@ -573,12 +595,15 @@ async def restore_resharded(
     # where every chunk lies is in the saved ranks' manifests: read them all, once each,
     # when anything is distributed (the chunks of any layout are boxes of the global tensor)
     manifests: dict[int, Manifest] = {base.rank: base}
-    # onto another world size, a state of plain per-rank tensors needs them too: its ranks
-    # may have saved different parts of it (pipeline stages without sharding)
+    # onto fewer ranks, a state of plain per-rank tensors needs them too: its ranks may have
+    # saved different parts of it (pipeline stages without sharding) that no restoring
+    # rank's own saved rank holds (onto more ranks, each saved rank is some rank's own)
     distributed = any(m.placements is not None for m in base.tensors)
-    if base.world_size > 1 and (distributed or world_size != base.world_size):
+    if base.world_size > 1 and (distributed or world_size < base.world_size):
         if readers:
-            manifests = await _saved_manifests(base, readers, sem, exchange, rank, world_size)
+            manifests = await _saved_manifests(
+                base, sources, readers, sem, exchange, rank, world_size
+            )
         elif distributed:
             raise CorruptionError(
                 f"step {base.step}: rank {rank} needs the other ranks' manifests, but no "
@@ -598,62 +623,70 @@ async def restore_resharded(
         else:  # the same layout: this rank's stage only
             mine = next(g for g in stages if base.rank in g)
             stage_of = {t.key: mine for t in base.tensors}
-    if len(manifests) > 1:
+    if len(manifests) > 1 and base.world_size != world_size:
         base = _graft_values(base, manifests)
-    # the keys, and the optimizers' groups and state shapes (global shapes: a DTensor's
-    # entry gives its global shape, as a DTensor parameter's .shape is), are checked
-    # before any tensor data is read
-    check_optimizers(align_into(base, into, rename=False), into)
-    held = _held_boxes(manifests, stage_of)
-    wanted: list[_Wanted | None] = []
-    pieces: dict[int, list[_Piece]] = {}
-    for meta in base.tensors:
-        if meta.mode == "alias":
-            wanted.append(None)
-            continue
-        ref = targets.get(meta.key)
-        if meta.placements is None:
-            region = _box((0,) * len(meta.shape), meta.shape)
-            if ref is not None and tuple(ref.tensor.shape) != meta.shape:
+    try:
+        # the keys, and the optimizers' groups and state shapes (global shapes: a DTensor's
+        # entry gives its global shape, as a DTensor parameter's .shape is), are checked
+        # before any tensor data is read
+        check_optimizers(align_into(base, into, rename=False), into)
+        held = _held_boxes(manifests, stage_of)
+        wanted: list[_Wanted | None] = []
+        pieces: dict[int, list[_Piece]] = {}
+        for meta in base.tensors:
+            if meta.mode == "alias":
+                wanted.append(None)
+                continue
+            ref = targets.get(meta.key)
+            if meta.placements is None:
+                region = _box((0,) * len(meta.shape), meta.shape)
+                if ref is not None and tuple(ref.tensor.shape) != meta.shape:
+                    raise ConfigurationError(
+                        f"into[{meta.key!r}] is {list(ref.tensor.shape)} but the checkpoint has "
+                        f"{list(meta.shape)}"
+                    )
+            else:
+                region = _region_for(meta, ref, base, rank, world_size)
+            if ref is not None and ref.tensor.dtype != meta.torch_dtype:
                 raise ConfigurationError(
-                    f"into[{meta.key!r}] is {list(ref.tensor.shape)} but the checkpoint has "
-                    f"{list(meta.shape)}"
+                    f"into[{meta.key!r}] is {ref.tensor.dtype} but the checkpoint has {meta.dtype}"
                 )
-        else:
-            region = _region_for(meta, ref, base, rank, world_size)
-        if ref is not None and ref.tensor.dtype != meta.torch_dtype:
-            raise ConfigurationError(
-                f"into[{meta.key!r}] is {ref.tensor.dtype} but the checkpoint has {meta.dtype}"
-            )
-        shape = tuple(hi - lo for lo, hi in region)
-        if ref is not None:
-            final = ref.tensor.detach()
-            direct = final.device.type == "cpu" and final.is_contiguous()
-            staging = final if direct else torch.empty(shape, dtype=meta.torch_dtype)
-            value = ref.dtensor if ref.dtensor is not None else final
-        else:
-            staging = final = value = torch.empty(shape, dtype=meta.torch_dtype)
-        want = _Wanted(meta, region, staging, final, value)
-        wanted.append(want)
-        holders = _holders(meta, base, held, owners)
-        covered = 0
-        for holder, box in holders:
-            overlap = _intersect(box, region)
-            if overlap is not None:
-                pieces.setdefault(holder, []).append(_Piece(want, holder, overlap))
-                covered += _volume(overlap)
-        if meta.placements is not None and covered < _volume(region):
-            raise CorruptionError(
-                f"step {base.step}: the saved chunks of {meta.key!r} do not cover the region "
-                f"{[list(span) for span in region]} of its global shape "
-                f"{list(meta.global_shape or ())}"
-            )
+            shape = tuple(hi - lo for lo, hi in region)
+            if ref is not None:
+                final = ref.tensor.detach()
+                direct = final.device.type == "cpu" and final.is_contiguous()
+                staging = final if direct else torch.empty(shape, dtype=meta.torch_dtype)
+                value = ref.dtensor if ref.dtensor is not None else final
+            else:
+                staging = final = value = torch.empty(shape, dtype=meta.torch_dtype)
+            want = _Wanted(meta, region, staging, final, value)
+            wanted.append(want)
+            holders = _holders(meta, base, held, owners)
+            covered = 0
+            for holder, box in holders:
+                overlap = _intersect(box, region)
+                if overlap is not None:
+                    pieces.setdefault(holder, []).append(_Piece(want, holder, overlap))
+                    covered += _volume(overlap)
+            if meta.placements is not None and covered < _volume(region):
+                raise CorruptionError(
+                    f"step {base.step}: the saved chunks of {meta.key!r} do not cover the region "
+                    f"{[list(span) for span in region]} of its global shape "
+                    f"{list(meta.global_shape or ())}"
+                )
 
-    problems: list[Exception] = []
-    fills = {
-        r: _plan_fill(manifests[r], list(sources) if r == base.rank else readers, todo)
-        for r, todo in pieces.items()
-    }
+        problems: list[Exception] = []
+        fills = {
+            r: _plan_fill(manifests[r], list(sources) if r == base.rank else readers, todo)
+            for r, todo in pieces.items()
+        }
+    except Exception as exc:
+        # a rank that refuses (a target that does not fit, say) still answers the exchange
+        # of needs the others wait in, so that every rank raises instead of waiting
+        if exchange is not None:
+            with contextlib.suppress(Exception):
+                await exchange.gather(0, _Refused(rank, f"{type(exc).__name__}: {exc}"))
+        raise
     try:
         await _read_fills(fills, sem, problems, checksum, exchange, rank)
     except ExceptionGroup as group:
@@ -793,7 +826,16 @@ async def _read_fills(
     needs = sorted(
         (r, s, f.manifest.shards[s].length) for r, f in fills.items() for s in f.by_shard
     )
-    plan = _share_plan(await exchange.gather(0, needs)) if exchange is not None else {}
+    plan = {}
+    if exchange is not None:
+        everyone = await exchange.gather(0, needs)
+        refused = [e for e in everyone if isinstance(e, _Refused)]
+        if refused:
+            raise CoordinationError(
+                f"rank {refused[0].rank} refused the restore ({refused[0].error}); nothing "
+                "was loaded on any rank"
+            )
+        plan = _share_plan(everyone)
     buffers: dict[tuple[int, int], torch.Tensor] = {}
     received: dict[tuple[int, int], torch.Tensor] = {}  # the sender's status per shard
     recv_works: list[Any] = []

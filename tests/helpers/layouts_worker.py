@@ -261,6 +261,43 @@ async def dcp_load(layout: str, root: Path, out: Path) -> dict[str, Any]:
     return {"restored": {k: v.tolist() for k, v in model_full(model, extra).items()}}
 
 
+async def refuse(layout: str, root: Path, out: Path) -> dict[str, Any]:
+    """Restore the step saved on another layout into full tensors on every rank, rank 1's
+    target for one of them the wrong shape: rank 1 refuses, and no rank may wait for it."""
+    async with lazyckpt.Checkpointer([FileTier(root)], **OPTIONS) as ckpt:
+        full = await ckpt.restore(RESUME_AT)
+        target = {"model": {k: torch.zeros_like(v) for k, v in full["model"].items()}}
+        if dist.get_rank() == 1:
+            target["model"]["layers.0.w1.weight"] = torch.zeros(7, 3)
+        try:
+            await ckpt.restore(RESUME_AT, into=target)
+        except lazyckpt.LazyCkptError as exc:
+            loaded = any(v.any() for v in target["model"].values() if v.shape != (7, 3))
+            return {"error": type(exc).__name__, "message": str(exc), "loaded": loaded}
+    return {"error": None}
+
+
+async def host_incremental(layout: str, root: Path, out: Path) -> dict[str, Any]:
+    """Replicated DTensors that do not change, snapshotted incrementally through the host
+    tier and a FileTier, restored at once in the same processes: the host tier's manifest
+    of a step and the FileTier's differ (the FileTier's refers the unchanged shards to step
+    1), and a rank reading another's shards must use the FileTier's."""
+    from tiers import HostMemoryTier
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(1)
+    frozen = {
+        k: distribute_tensor(torch.randn(64, 128, generator=g), mesh, [Replicate()]) for k in "cdef"
+    }
+    chain = [HostMemoryTier(64 << 20), FileTier(root)]
+    async with lazyckpt.Checkpointer(chain, incremental=True, **OPTIONS) as ckpt:
+        for step in (1, 2):
+            changing = distribute_tensor(torch.randn(16, 8, generator=g), mesh, [Shard(0)])
+            await (await ckpt.snapshot({**frozen, "a": changing}, step=step)).committed()
+        got = await ckpt.restore(2)
+    return {"mismatch": [k for k in frozen if not torch.equal(full(got[k]), full(frozen[k]))]}
+
+
 def ddp_state(seed: int) -> dict[str, Any]:
     """A data-parallel state: 16 MiB of weights identical on every rank, marked so."""
     g = torch.Generator().manual_seed(seed)
@@ -327,6 +364,8 @@ SCENARIOS = {
     "reshard": reshard,
     "dcp": dcp_round_trip,
     "dcp-load": dcp_load,
+    "refuse": refuse,
+    "host-incremental": host_incremental,
     "ddp-save": ddp_save,
     "ddp-restore": ddp_restore,
 }
