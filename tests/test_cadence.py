@@ -68,7 +68,9 @@ def pfs_steps(root: Path) -> list[int]:
 
 
 def test_a_tier_takes_only_the_steps_its_cadence_picks(tmp_path: Path) -> None:
-    with SyncCheckpointer(chain(tmp_path), shard_size=1 << 16, cadence={"pfs": 3}, emergency_tiers=()) as ckpt:
+    with SyncCheckpointer(
+        chain(tmp_path), shard_size=1 << 16, cadence={"pfs": 3}, emergency_tiers=()
+    ) as ckpt:
         handles = [ckpt.snapshot(state_of(s), step=s) for s in range(1, 8)]
         for h in handles:
             h.wait("committed")
@@ -77,7 +79,9 @@ def test_a_tier_takes_only_the_steps_its_cadence_picks(tmp_path: Path) -> None:
             assert outcome(h, "pfs") == ("reached" if h.step % 3 == 0 else "skipped")
             assert h.stats is not None
             wanted = {"local", "pfs"} if h.step % 3 == 0 else {"local"}
-            assert wanted <= set(h.stats.reached_s) and ("pfs" in h.stats.reached_s) == (h.step % 3 == 0)
+            assert wanted <= set(h.stats.reached_s) and ("pfs" in h.stats.reached_s) == (
+                h.step % 3 == 0
+            )
         metrics = ckpt.metrics()["tiers"]
         assert metrics["pfs"]["bytes"] * 7 == metrics["local"]["bytes"] * 2
         assert ckpt.steps() == list(range(1, 8))
@@ -90,7 +94,11 @@ def test_a_tier_takes_only_the_steps_its_cadence_picks(tmp_path: Path) -> None:
 
 async def test_awaiting_a_skipped_tier_raises_and_reports_nothing_as_failed(tmp_path: Path) -> None:
     async with lazyckpt.Checkpointer(
-        chain(tmp_path), shard_size=1 << 16, cadence={"pfs": 10}, on_failure="raise", emergency_tiers=()
+        chain(tmp_path),
+        shard_size=1 << 16,
+        cadence={"pfs": 10},
+        on_failure="raise",
+        emergency_tiers=(),
     ) as ckpt:
         h = await ckpt.snapshot(state_of(1), step=1)
         await h.committed()
@@ -104,7 +112,9 @@ async def test_awaiting_a_skipped_tier_raises_and_reports_nothing_as_failed(tmp_
 
 
 def test_the_drain_report_lists_skipped_tiers_apart_from_failures(tmp_path: Path) -> None:
-    with SyncCheckpointer(chain(tmp_path), shard_size=1 << 16, cadence={"pfs": 2}, emergency_tiers=()) as ckpt:
+    with SyncCheckpointer(
+        chain(tmp_path), shard_size=1 << 16, cadence={"pfs": 2}, emergency_tiers=()
+    ) as ckpt:
         for s in (1, 2):
             ckpt.snapshot(state_of(s), step=s)
         report = ckpt.drain()
@@ -115,7 +125,9 @@ def test_the_drain_report_lists_skipped_tiers_apart_from_failures(tmp_path: Path
 
 def test_a_step_only_the_host_tier_takes_is_held_whole_and_restored(tmp_path: Path) -> None:
     tiers = [HostMemoryTier(8 << 20), FileTier(tmp_path, name="local")]
-    with SyncCheckpointer(tiers, shard_size=1 << 16, cadence={"local": 4}, emergency_tiers=()) as ckpt:
+    with SyncCheckpointer(
+        tiers, shard_size=1 << 16, cadence={"local": 4}, emergency_tiers=()
+    ) as ckpt:
         for s in range(1, 7):
             ckpt.snapshot(state_of(s), step=s).wait("committed")
         assert ckpt.steps() == [1, 2, 3, 4, 5, 6]  # the host tier holds them all
@@ -150,9 +162,14 @@ def test_incremental_references_point_only_at_steps_the_tier_holds(tmp_path: Pat
             assert same(slow.restore(s), state(s))
 
 
-def test_a_cadence_by_time_takes_the_first_step_then_at_most_one_per_interval(tmp_path: Path) -> None:
+def test_a_cadence_by_time_takes_the_first_step_then_at_most_one_per_interval(
+    tmp_path: Path,
+) -> None:
     with SyncCheckpointer(
-        chain(tmp_path), shard_size=1 << 16, cadence={"pfs": Cadence(seconds=0.3)}, emergency_tiers=()
+        chain(tmp_path),
+        shard_size=1 << 16,
+        cadence={"pfs": Cadence(seconds=0.3)},
+        emergency_tiers=(),
     ) as ckpt:
         handles, called = [], {}
         for s in range(1, 9):
@@ -243,7 +260,9 @@ def test_drain_writes_the_newest_snapshot_to_the_tiers_that_skipped_it(tmp_path:
 
 
 def test_no_emergency_tiers_means_no_copy(tmp_path: Path) -> None:
-    with SyncCheckpointer(chain(tmp_path), shard_size=1 << 16, cadence={"pfs": 100}, emergency_tiers=()) as ckpt:
+    with SyncCheckpointer(
+        chain(tmp_path), shard_size=1 << 16, cadence={"pfs": 100}, emergency_tiers=()
+    ) as ckpt:
         ckpt.snapshot(state_of(1), step=1)
         assert ckpt.drain().emergency == {}
     assert pfs_steps(tmp_path) == []
@@ -253,7 +272,9 @@ def test_an_emergency_copy_of_an_incremental_step_is_self_contained(tmp_path: Pa
     frozen = torch.randn(256, 256)
     tiers = [FileTier(tmp_path / "local", name="local"), FileTier(tmp_path / "slow", name="slow")]
     tiers[1].level = lazyckpt.TierLevel.PFS
-    with SyncCheckpointer(tiers, shard_size=1 << 16, cadence={"slow": 100}, incremental=True) as ckpt:
+    with SyncCheckpointer(
+        tiers, shard_size=1 << 16, cadence={"slow": 100}, incremental=True
+    ) as ckpt:
         for s in range(1, 4):
             ckpt.snapshot({"frozen": frozen, **state_of(s)}, step=s).wait("committed")
         local = ckpt._core.engine.tiers[0]
@@ -266,7 +287,9 @@ def test_an_emergency_copy_of_an_incremental_step_is_self_contained(tmp_path: Pa
         assert same(slow.restore(3), {"frozen": frozen, **state_of(3)})
 
 
-def test_an_emergency_copy_falls_back_to_the_next_tier_when_the_host_lost_it(tmp_path: Path) -> None:
+def test_an_emergency_copy_falls_back_to_the_next_tier_when_the_host_lost_it(
+    tmp_path: Path,
+) -> None:
     host = HostMemoryTier(8 << 20)
     with SyncCheckpointer(
         [host, FileTier(tmp_path / "local", name="local"), ZarrTier(tmp_path / "pfs", name="pfs")],
@@ -316,7 +339,9 @@ def test_retention_keeps_the_best_by_a_metric_passed_with_the_snapshot(tmp_path:
             time.sleep(0.05)
         assert ckpt.steps() == [2, 4, 6]
     # a new run judges the steps it did not write by their manifests
-    with SyncCheckpointer([FileTier(tmp_path, retention=Retention(keep_best=KeepBest("val_loss", 1)))]) as ckpt:
+    with SyncCheckpointer(
+        [FileTier(tmp_path, retention=Retention(keep_best=KeepBest("val_loss", 1)))]
+    ) as ckpt:
         ckpt.snapshot(state_of(7), step=7, metrics={"val_loss": 9.0}).wait()
         ckpt.drain()
         deadline = time.monotonic() + 10
@@ -324,7 +349,10 @@ def test_retention_keeps_the_best_by_a_metric_passed_with_the_snapshot(tmp_path:
             time.sleep(0.05)
         assert ckpt.steps() == [2, 7]
     listed = subprocess.run(
-        [sys.executable, "-m", "lazyckpt", "ls", str(tmp_path)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "lazyckpt", "ls", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "best 1 by val_loss (min): 1" in listed and "newest" in listed
 
@@ -360,7 +388,12 @@ def _child(root: Path, mode: str, **env: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            "PYTHONFAULTHANDLER": "1",
+            **env,
+        },
     )
 
 
@@ -374,7 +407,12 @@ def _preempt(children: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]
             child.send_signal(signal.SIGTERM)
         ends = []
         for child in children:
-            out, err = child.communicate(timeout=90)
+            try:
+                out, err = child.communicate(timeout=90)
+            except subprocess.TimeoutExpired:  # faulthandler prints where its threads were
+                child.send_signal(signal.SIGABRT)
+                out, err = child.communicate(timeout=30)
+                raise AssertionError(f"a child did not end within 90 s:\n{err[-6000:]}") from None
             ends.append((child.returncode, out, err))
         return ends
     finally:

@@ -121,8 +121,12 @@ def test_signal_drains_chains_to_the_previous_handler_and_stops_snapshots(tmp_pa
 
 
 def test_preemption_options_are_checked(tmp_path: Path) -> None:
-    for bad in ({"preemption_signals": signal.SIGTERM}, {"preemption_signals": (signal.SIGKILL,)},
-                {"preemption_signals": ("TERM",)}, {"preemption_grace": 0}):
+    for bad in (
+        {"preemption_signals": signal.SIGTERM},
+        {"preemption_signals": (signal.SIGKILL,)},
+        {"preemption_signals": ("TERM",)},
+        {"preemption_grace": 0},
+    ):
         with pytest.raises(ConfigurationError, match="preemption"):
             SyncCheckpointer([FileTier(tmp_path)], **bad)
     ckpt = SyncCheckpointer([FileTier(tmp_path)], preemption_signals=(signal.SIGUSR2,))
@@ -151,8 +155,28 @@ def start(root: Path, mode: str, **env: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env},
+        # a child that hangs is stopped with SIGABRT: faulthandler then prints where every
+        # thread of it was
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            "PYTHONFAULTHANDLER": "1",
+            **env,
+        },
     )
+
+
+def _end(child: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """The child's output once it ended; if it does not end within ``timeout``, it is
+    stopped by SIGABRT and the test fails with its threads' stacks."""
+    try:
+        return child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGABRT)
+        _out, err = child.communicate(timeout=30)
+        raise AssertionError(
+            f"{child.args[-1]} child did not end within {timeout} s; its stacks:\n{err[-6000:]}"
+        ) from None
 
 
 def preempt(children: list[subprocess.Popen[str]]) -> list[subprocess.CompletedProcess[str]]:
@@ -166,7 +190,7 @@ def preempt(children: list[subprocess.Popen[str]]) -> list[subprocess.CompletedP
             child.send_signal(signal.SIGTERM)
         ends = []
         for child in children:
-            out, err = child.communicate(timeout=60)
+            out, err = _end(child, 60)
             ends.append(subprocess.CompletedProcess(child.args, child.returncode, out, err))
         return ends
     finally:  # on a failure too: no child left running, no pipe left for the GC to close
@@ -227,7 +251,10 @@ def test_sigterm_on_every_rank_keeps_the_commit_coordinated(tmp_path: Path) -> N
 def test_preemption_example() -> None:
     example = Path(__file__).resolve().parent.parent / "examples" / "preemption.py"
     out = subprocess.run(
-        [sys.executable, str(example)], capture_output=True, text=True, timeout=300,
+        [sys.executable, str(example)],
+        capture_output=True,
+        text=True,
+        timeout=300,
         cwd=example.parent.parent,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
