@@ -194,14 +194,14 @@ async def _saved_manifests(
     """Every saved rank's manifest of ``base.step`` (``base``: this rank's own, read from
     ``sources``; the others' from ``readers``).
 
-        Alone, a rank reads them all. With the ranks restoring together (``exchange``), the job
-        reads each manifest from the tiers once instead of once per rank: the restoring rank
-        ``j % world_size`` reads saved rank ``j``'s (its own ``base`` where that is the one) and
-        one ``all_gather`` on the control channel hands every rank the others', each checked
-        against its own checksum as it is decoded. A manifest its reader could not read, or
-        that arrives damaged, is read directly from the tiers by every rank that needs it. The
-        parallel file system then sees N manifest reads per restore of an N-rank step, not N²
-        (docs/distributed.md, "Modelled: 16 to 16,000 ranks")."""
+    Alone, a rank reads them all. With the ranks restoring together (``exchange``), the job
+    reads each manifest from the tiers once instead of once per rank: the restoring rank
+    ``j % world_size`` reads saved rank ``j``'s (its own ``base`` where that came from the
+    first reader) and one ``all_gather`` on the control channel hands every rank the others',
+    each checked against its own checksum as it is decoded. A manifest its reader could not
+    read, or that arrives damaged, is read directly from the tiers by every rank that needs
+    it. The parallel file system then sees N manifest reads per restore of an N-rank step,
+    not N² (docs/distributed.md, "Modelled: 16 to 16,000 ranks")."""
     saved = base.world_size
     manifests: dict[int, Manifest] = {base.rank: base}
 
